@@ -1,0 +1,108 @@
+"""The real local Slurm cluster for the tests in this folder: started once per session, always stopped.
+
+Without the Slurm binaries the tests skip, except in CI (CI=true), where a missing cluster is a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from megagate.slurm import SlurmRequest, render_batch_script, submit
+
+REPO = Path(__file__).resolve().parents[2]
+STAND_IN = Path(__file__).resolve().parent / "stand_in.py"
+PYTHON = sys.executable
+
+
+def _load_cluster_module():
+    spec = importlib.util.spec_from_file_location("megagate_local_cluster", REPO / "slurm" / "local" / "cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+cluster_mod = _load_cluster_module()
+
+
+class SlurmHarness:
+    """Submit rendered jobs to the local cluster and follow them to the end (releasing requeued ones)."""
+
+    def __init__(self, cluster) -> None:
+        self.cluster = cluster
+        self.env = cluster.env
+        # The jobs run the working tree's megagate, whatever the shared venv's editable install points at.
+        self.env["PYTHONPATH"] = str(REPO) + os.pathsep + self.env.get("PYTHONPATH", "")
+
+    def request(self, job_name: str, **kw) -> SlurmRequest:
+        """A 2-node x 2-task CPU job on the local cluster (node names do not resolve: rendezvous on 127.0.0.1)."""
+        base = dict(nodes=2, gpus_per_node=0, tasks_per_node=2, time="10:00", signal_lead_s=60, job_name=job_name,
+                    master_addr="127.0.0.1", python=PYTHON, env={"GLOO_SOCKET_IFNAME": "lo"})
+        base.update(kw)
+        return SlurmRequest(**base)
+
+    def submit(self, request: SlurmRequest, workdir: Path, args: Sequence[str], launcher: str = "srun") -> int:
+        script = render_batch_script(request, [str(STAND_IN), "--config", "none.yaml", *args], launcher=launcher)
+        return submit(request, script, cwd=workdir, env=self.env, script_path=workdir / f"{request.job_name}.sbatch")
+
+    def show(self, job_id: int) -> dict[str, str]:
+        out = self.cluster.run("scontrol", "show", "job", "-o", str(job_id), check=False)
+        return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+
+    def wait(self, job_id: int, timeout: float = 120, release: bool = True,
+             until: Sequence[str] = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")) -> dict[str, str]:
+        """Poll until the job reaches one of `until`; a requeued job held by its BeginTime is started now."""
+        deadline = time.monotonic() + timeout
+        info: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            info = self.show(job_id)
+            state = info.get("JobState", "")
+            if state in until:
+                return info
+            if release and state == "PENDING" and info.get("Reason") == "BeginTime":
+                # A requeued job waits ~2 min before it may start again; the tests do not.
+                self.cluster.run("scontrol", "update", f"jobid={job_id}", "starttime=now", check=False)
+            time.sleep(0.25)
+        raise AssertionError(f"job {job_id} did not reach {until} in {timeout} s; last: {info}")
+
+    def log(self, workdir: Path, request: SlurmRequest, job_id: int) -> str:
+        path = workdir / request.log_dir / f"{request.job_name}-{job_id}.out"
+        return path.read_text() if path.exists() else ""
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[object]:
+    in_ci = os.environ.get("CI", "").lower() == "true"
+    if not cluster_mod.slurm_installed():
+        if in_ci:
+            pytest.fail("Slurm binaries not found in CI: .ci/run must run slurm/local/install.sh first")
+        pytest.skip("Slurm binaries not installed (run slurm/local/install.sh)")
+    if os.geteuid() != 0:
+        if in_ci:
+            pytest.fail("the local Slurm cluster needs root (slurmd runs jobs as root)")
+        pytest.skip("the local Slurm cluster needs root")
+    # A short path under /tmp: Slurm and munge keep sockets and spool files there.
+    state_dir = tempfile.mkdtemp(prefix="mg-slurm-")
+    cluster = cluster_mod.LocalCluster(state_dir)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        if os.environ.get("MEGAGATE_KEEP_SLURM_STATE") != "1":
+            shutil.rmtree(state_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def slurm(slurm_cluster) -> SlurmHarness:
+    return SlurmHarness(slurm_cluster)
