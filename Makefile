@@ -1,0 +1,23 @@
+# The two set-up commands of the README: `make demo` and `make test`. Both build (or reuse) the environment first.
+PY := .venv/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: env demo test test-fast test-gpu clean
+
+env:
+	@bash tools/bootstrap_env.sh >/dev/null
+
+demo: env
+	$(PY) -m megagate demo
+
+test: env
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+test-fast: env
+	$(PY) -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS) tests
+
+test-gpu: env
+	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
+
+clean:
+	rm -rf .pytest_cache build *.egg-info

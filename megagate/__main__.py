@@ -1,0 +1,5 @@
+import sys
+
+from megagate.cli import main
+
+sys.exit(main())
