@@ -1,0 +1,226 @@
+"""Running megatron-core on a machine without CUDA (tests, the CPU demo, gloo process groups).
+
+megatron-core hard-codes CUDA in a few places that the CPU path still reaches: `torch.cuda.current_device()` used as
+a device, literal `device="cuda"` tensors (pipeline schedules, gradient clipping, the MoE router), and the CUDA RNG
+state used by the model-parallel RNG tracker. This module redirects exactly those look-ups to the CPU, and nothing
+else:
+
+* each listed megatron module sees a proxy in place of its global `torch`, whose factory functions map a CUDA device
+  to the CPU and whose `torch.cuda` answers `current_device()` with the CPU device and keeps RNG state on the CPU
+  generator. Other modules, and the real `torch` module, are untouched;
+* `tensor_parallel.random`'s two RNG-state helpers are replaced by CPU equivalents;
+* torch.compile (megatron's `jit_fuser`) is disabled: fusions only, compiling them on the CPU costs seconds;
+* `moe_utils.te_general_gemm`, only defined when Transformer Engine imports, is set to None so megatron takes its
+  non-TE branch.
+
+`install()` is a no-op when CUDA is available, and refuses megatron-core versions it was not checked against
+(the list of patched modules is version-specific).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+from typing import Any, Callable
+
+import torch
+from packaging.version import Version
+
+from megagate.errors import MegagateError
+
+# Checked against these releases: the hard-coded CUDA calls below were read from their sources.
+SUPPORTED_MEGATRON = ("0.19.0", "0.20.0")  # [min, max)
+
+# megatron modules whose global `torch` is replaced by the CPU proxy: those on the training path that create
+# tensors on, or query, the CUDA device (found by reading megatron-core 0.19.2's sources).
+PATCHED_MODULES = (
+    "megatron.core.utils",
+    "megatron.core.parallel_state",
+    "megatron.core.timers",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.tensor_parallel.utils",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.pipeline_parallel.utils",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.common.language_module.language_module",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+    "megatron.core.transformer.module",
+    "megatron.core.transformer.utils",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.transformer.transformer_layer",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.shared_experts",
+    "megatron.core.transformer.moe.moe_logging",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.tensor_aware_state_dict",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+)
+
+_FACTORIES = (
+    "zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint", "randperm",
+    "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor",
+)  # fmt: skip
+
+_installed = False
+
+
+def _cpu_device(device: Any) -> Any:
+    """Map any CUDA device spec (str, int, torch.device) to the CPU; leave others as they are."""
+    if device is None:
+        return None
+    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _on_cpu(factory: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    wrapper.__name__ = getattr(factory, "__name__", "factory")
+    return wrapper
+
+
+class _CpuCuda:
+    """Stands in for `torch.cuda` inside the patched modules."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    @staticmethod
+    def is_available() -> bool:
+        return False
+
+    @staticmethod
+    def device_count() -> int:
+        return 0
+
+    @staticmethod
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device: Any = "cuda") -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def current_stream(device: Any = None) -> Any:
+        return _NullStream()
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    random = types.SimpleNamespace(
+        get_rng_state=lambda device="cuda": torch.get_rng_state(),
+        set_rng_state=lambda state, device="cuda": torch.set_rng_state(state),
+    )
+
+
+class _NullStream:
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _CpuTorch:
+    """Stands in for the `torch` module inside the patched megatron modules."""
+
+    def __init__(self) -> None:
+        self.cuda = _CpuCuda()
+        for name in _FACTORIES:
+            setattr(self, name, _on_cpu(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    state = torch.get_rng_state()
+    return state.clone() if clone else state
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def check_megatron_version(version: str) -> None:
+    """Refuse megatron-core releases whose CUDA call sites were not checked."""
+    low, high = (Version(v) for v in SUPPORTED_MEGATRON)
+    if not low <= Version(version) < high:
+        raise MegagateError(
+            f"megatron-core {version} is not supported on CPU by megagate.megatron_cpu "
+            f"(checked: >={SUPPORTED_MEGATRON[0]},<{SUPPORTED_MEGATRON[1]}); install megatron-core==0.19.2"
+        )
+
+
+def install(force: bool = False) -> bool:
+    """Adapt megatron-core for CPU execution if CUDA is absent. Returns True if the adaptation is active."""
+    global _installed
+    if _installed:
+        return True
+    if torch.cuda.is_available() and not force:
+        return False
+    from megatron.core import package_info
+
+    check_megatron_version(package_info.__version__)
+    proxy = _CpuTorch()
+    for name in PATCHED_MODULES:
+        module = importlib.import_module(name)
+        if getattr(module, "torch", None) is torch:
+            module.torch = proxy
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._get_cuda_rng_state = _cpu_get_rng_state
+    random._set_cuda_rng_state = _cpu_set_rng_state
+    # megatron's `jit_fuser` is torch.compile; on the CPU inductor spends seconds compiling C++ for each fused
+    # element-wise op and gains nothing measurable on tiny models, so run those functions eagerly.
+    torch._dynamo.config.disable = True
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    _installed = True
+    return True
+
+
+def is_active() -> bool:
+    """True once `install()` has adapted megatron-core for the CPU."""
+    return _installed

@@ -1,0 +1,64 @@
+"""Process groups: torch.distributed + megatron's parallel state, on CPU (gloo) or GPU (nccl)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Iterator, Optional
+
+import torch
+
+from megagate import megatron_cpu
+from megagate.models import ParallelConfig
+
+
+def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
+    """megatron's parallel state and model-parallel RNG for an initialised torch.distributed world."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    megatron_cpu.install()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def init_distributed(rank: int, world_size: int, init_file: str, backend: Optional[str] = None) -> None:
+    """torch.distributed over a shared file (tests, single-host runs); gloo without CUDA."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    torch.distributed.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+
+
+def destroy() -> None:
+    """Tear down megatron's parallel state and the default process group."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def single_process(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234) -> Iterator[None]:
+    """A world of one process with megatron's parallel state (to build models outside a launcher)."""
+    owns_world = not torch.distributed.is_initialized()
+    with tempfile.TemporaryDirectory() as tmp:
+        if owns_world:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            init_distributed(0, 1, os.path.join(tmp, "rendezvous"), backend="gloo")
+        try:
+            initialize_model_parallel(parallel, seed)
+            yield
+        finally:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            if owns_world:
+                torch.distributed.destroy_process_group()
