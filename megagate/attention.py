@@ -1,0 +1,275 @@
+"""Gated self-attention: megatron-core's `SelfAttention` with every gate variant of the paper.
+
+Where each variant lives (shapes in megatron notation; `_p` = this tensor-parallel rank's part):
+
+* head-specific, query-dependent gates of G1–G4: rows fused into `linear_qkv` per query group (megagate.layout), so
+  column-parallel TP shards q, k, v and gate together; logits come out of the same GEMM.
+* head-shared gates: one replicated projection W [w, h] (w = hn or 1) whose scores every head multiplies by. Each
+  rank applies it to its own heads, so its gradient is a partial sum over heads: without sequence parallelism the
+  logits pass through `copy_to_tensor_model_parallel_region` (all-reduce in backward); with it the input is gathered
+  along the sequence and the weight is marked `sequence_parallel` so megatron sums its gradient over TP.
+* input-independent gates: a zero-initialised parameter [np_p, w] (TP-sharded with the heads), or [1, w] shared.
+* G5: a replicated projection W [h, h] applied to the output of `linear_proj` (its channels do not follow the head
+  partition); under sequence parallelism each rank gates its own sequence chunk and the gradient is summed over TP.
+* G1 and the SDPA-output baselines are applied through megatron's own output-gate hook (`_apply_output_gate`,
+  between core attention and `linear_proj`), so recompute, context parallelism and inference paths stay megatron's.
+
+G2/G3/G4 gate the projected value/key/query before QK-norm and RoPE (the paper's "after the projection").
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.utils import get_pg_size
+from torch import Tensor
+
+from megagate.gate import GateConfig, apply_gate, head_rms_norm
+from megagate.layout import QkvLayout, qkv_layout, split_rows
+
+
+class GatedSelfAttention(SelfAttention):
+    """`SelfAttention` whose gate variant is chosen by a `GateConfig` (spec param `gate`)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: SelfAttentionSubmodules,
+        layer_number: int,
+        gate: GateConfig,
+        **kwargs: Any,
+    ) -> None:
+        self.gate = gate
+        tp_size = get_pg_size(kwargs["pg_collection"].tp) if kwargs.get("pg_collection") else _mpu_tp_size()
+        full = qkv_layout(gate, config.num_attention_heads, config.num_query_groups, config.kv_channels)
+        self.qkv_layout: QkvLayout = full.local(tp_size)
+        # Megatron's output-gate hook carries the G1 logits (and the SDPA-output baselines) from the qkv split to
+        # the core-attention output; a private copy of the config switches it on for this module only.
+        self._uses_output_hook = gate.position == "g1" or gate.sdpa_norm != "none"
+        if self._uses_output_hook:
+            config = copy.copy(config)
+            config.attention_output_gate = True
+        # SelfAttention sizes linear_qkv itself (q+k+v, plus np·hn rows when attention_output_gate is set);
+        # the builder is wrapped so it is built once with exactly our fused rows.
+        base_rows = config.kv_channels * (config.num_attention_heads + 2 * config.num_query_groups)
+        if config.attention_output_gate:
+            base_rows += config.kv_channels * config.num_attention_heads
+        extra_rows = full.rows - base_rows
+        build_qkv = submodules.linear_qkv
+
+        def build_fused_qkv(input_size: int, output_size: int, **kw: Any) -> Any:
+            return build_qkv(input_size, output_size + extra_rows, **kw)
+
+        submodules = copy.copy(submodules)
+        submodules.linear_qkv = build_fused_qkv
+        super().__init__(config, submodules, layer_number, **kwargs)
+        self.linear_qkv_out_dim += extra_rows
+        self._build_gate_parameters(tp_size)
+
+    # --- parameters ----------------------------------------------------------------------------------------------
+    def _build_gate_parameters(self, tp_size: int) -> None:
+        gate, cfg, hn = self.gate, self.config, self.config.kv_channels
+        dtype = cfg.params_dtype
+        # CPU initialisation follows the default device (the meta device when counting parameters).
+        device = None if cfg.use_cpu_initialization else torch.cuda.current_device()
+        self.shared_gate_weight: Optional[torch.nn.Parameter] = None
+        self.gate_param: Optional[torch.nn.Parameter] = None
+        self.output_gate_weight: Optional[torch.nn.Parameter] = None
+        self.sdpa_norm_weight: Optional[torch.nn.Parameter] = None
+        if gate.enabled and gate.position != "g5" and not gate.fused_rows:
+            width = gate.width(hn)
+            if gate.input == "input_independent":
+                heads = 1 if gate.sharing == "head_shared" else self._gated_heads_local()
+                self.gate_param = torch.nn.Parameter(torch.zeros(heads, width, dtype=dtype, device=device))
+                if gate.sharing == "head_specific":
+                    set_tensor_model_parallel_attributes(self.gate_param, True, 0, 1)
+            else:  # head-shared projection
+                self.shared_gate_weight = self._replicated_weight(width, cfg.hidden_size, dtype, device)
+        if gate.position == "g5":
+            if gate.input == "input_independent":
+                self.gate_param = torch.nn.Parameter(torch.zeros(1, cfg.hidden_size, dtype=dtype, device=device))
+            else:
+                self.output_gate_weight = self._replicated_weight(cfg.hidden_size, cfg.hidden_size, dtype, device)
+        if gate.sdpa_norm == "rmsnorm":
+            heads = self.num_attention_heads_per_partition
+            self.sdpa_norm_weight = torch.nn.Parameter(torch.ones(heads, hn, dtype=dtype, device=device))
+            set_tensor_model_parallel_attributes(self.sdpa_norm_weight, True, 0, 1)
+        if cfg.sequence_parallel:
+            g5_param = self.gate_param if gate.position == "g5" else None
+            for p in (self.shared_gate_weight, self.output_gate_weight, g5_param):
+                if p is not None:
+                    p.sequence_parallel = True  # gradient is a partial sum over TP ranks: megatron sums it
+
+    def _replicated_weight(self, rows: int, cols: int, dtype: torch.dtype, device: Any) -> torch.nn.Parameter:
+        weight = torch.nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device))
+        if self.config.perform_initialization:
+            # The same RNG stream on every TP rank (CPU default / CUDA default generator) keeps replicas equal.
+            with torch.no_grad():
+                self.config.init_method(weight)
+        return weight
+
+    def _gated_heads_local(self) -> int:
+        return (
+            self.num_attention_heads_per_partition if self.gate.on_query_heads else self.num_query_groups_per_partition
+        )
+
+    # --- gate logits ------------------------------------------------------------------------------------------------
+    def _unfused_logits(self, hidden_states: Tensor) -> Tensor:
+        """Logits of head-shared or input-independent gates, broadcastable to [sq, b, heads, w]."""
+        if self.gate_param is not None:
+            param = self.gate_param
+            if self.gate.sharing == "head_shared" and get_pg_size(self.tp_group) > 1:
+                param = copy_to_tensor_model_parallel_region(param, group=self.tp_group)
+            return param.unsqueeze(0).unsqueeze(0)  # [1, 1, heads, w]
+        return self._replicated_projection(hidden_states, self.shared_gate_weight).unsqueeze(2)  # [sq, b, 1, w]
+
+    def _replicated_projection(self, hidden_states: Tensor, weight: Tensor) -> Tensor:
+        """X W^T with a TP-replicated weight whose scores each rank applies to its own heads."""
+        if self.config.sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, group=self.tp_group)
+            return torch.nn.functional.linear(hidden_states, weight)
+        logits = torch.nn.functional.linear(hidden_states, weight)
+        if get_pg_size(self.tp_group) > 1:
+            logits = copy_to_tensor_model_parallel_region(logits, group=self.tp_group)
+        return logits
+
+    # --- forward ----------------------------------------------------------------------------------------------------
+    def get_query_key_value_tensors(
+        self,
+        hidden_states: Tensor,
+        key_value_states: Tensor | None = None,
+        output_gate: bool = False,
+        split_qkv: bool = True,
+    ) -> tuple[Tensor, ...]:
+        """Split the fused projection into query [sq, b, np_p, hn], key/value [sq, b, ng_p, hn] and gate logits."""
+        gate, layout = self.gate, self.qkv_layout
+        mixed_qkv, _ = self.linear_qkv(hidden_states)  # [sq, b, ng_p * rows_per_group]
+        sq, b = mixed_qkv.shape[:2]
+        parts = split_rows(mixed_qkv.movedim(-1, 0), layout)  # {name: [ng_p, rows, sq, b]}
+        parts = {name: t.movedim(1, -1) for name, t in parts.items()}  # {name: [ng_p, sq, b, rows]}
+        hn = layout.head_dim
+
+        def per_head(t: Tensor, heads_per_group: int) -> Tensor:
+            # [ng_p, sq, b, hpg * d] -> [sq, b, ng_p * hpg, d]
+            ng = t.shape[0]
+            return t.reshape(ng, sq, b, heads_per_group, -1).permute(1, 2, 0, 3, 4).reshape(sq, b, ng * heads_per_group, -1)
+
+        query = per_head(parts["q"], layout.heads_per_group)
+        key = per_head(parts["k"], 1)
+        value = per_head(parts["v"], 1)
+
+        logits = None
+        if gate.enabled and gate.position != "g5":
+            if "q_gate" in parts:
+                logits = per_head(parts["q_gate"], layout.heads_per_group)
+            elif "kv_gate" in parts:
+                logits = per_head(parts["kv_gate"], 1)
+            else:
+                logits = self._unfused_logits(hidden_states)
+        if gate.position == "g4":
+            query = apply_gate(query, logits, gate)
+        elif gate.position == "g3":
+            key = apply_gate(key, logits, gate)
+        elif gate.position == "g2":
+            value = apply_gate(value, logits, gate)
+
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        if self.k_layernorm is not None:
+            key = self.k_layernorm(key)
+
+        if self._uses_output_hook:
+            payload = logits if gate.position == "g1" else query.new_empty(0)
+            return query, key, value, payload
+        return query, key, value
+
+    def _apply_output_gate(self, x: Tensor, logits: Tensor) -> Tensor:
+        """G1 gate or SDPA-output baseline on the core-attention output x: [sq, b, np_p * hn]."""
+        sq, b = x.shape[:2]
+        y = x.view(sq, b, self.num_attention_heads_per_partition, self.config.kv_channels)
+        if self.gate.position == "g1":
+            y = apply_gate(y, logits, self.gate)
+        elif self.gate.sdpa_norm == "rmsnorm":
+            y = head_rms_norm(y, self.sdpa_norm_weight, self.config.layernorm_epsilon)
+        elif self.gate.sdpa_norm == "silu":
+            y = torch.nn.functional.silu(y)
+        return y.reshape(sq, b, -1)
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor, *args: Any, **kwargs: Any):
+        """megatron's attention forward, followed by the G5 gate on the output projection."""
+        output, bias = super().forward(hidden_states, attention_mask, *args, **kwargs)
+        if self.gate.position != "g5":
+            return output, bias
+        if bias is not None:
+            output, bias = output + bias, None
+        if self.gate_param is not None:
+            logits = self.gate_param  # [1, h]
+        else:
+            logits = torch.nn.functional.linear(hidden_states, self.output_gate_weight)  # [sq(/tp), b, h]
+        return apply_gate(output, logits, self.gate), bias
+
+    # --- checkpointing ----------------------------------------------------------------------------------------------
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """megatron's default, with the head-sharded gate parameters split along their head axis."""
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        tp_sharded = {}
+        for name in ("gate_param", "sdpa_norm_weight"):
+            param = getattr(self, name)
+            if param is not None and getattr(param, "tensor_model_parallel", False):
+                tp_sharded[name] = param
+        if tp_sharded:
+            sharded.update(
+                make_sharded_tensors_for_checkpoint(
+                    tp_sharded,
+                    prefix,
+                    {name: 0 for name in tp_sharded},
+                    sharded_offsets,
+                    tp_group=self.tp_group,
+                    dp_cp_group=(metadata or {}).get("dp_cp_group") or _dp_cp_group(),
+                )
+            )
+        return sharded
+
+
+def _mpu_tp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _dp_cp_group() -> Any:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+def gate_parameter_count(gate: GateConfig, hidden_size: int, num_heads: int, num_groups: int, head_dim: int) -> int:
+    """Parameters one attention layer adds for `gate` (pure arithmetic; mirrors GatedSelfAttention)."""
+    count = 0
+    if gate.enabled:
+        width = gate.width(head_dim)
+        if gate.position == "g5":
+            count += hidden_size if gate.input == "input_independent" else hidden_size * hidden_size
+        elif gate.input == "input_independent":
+            heads = num_heads if gate.on_query_heads else num_groups
+            count += width * (1 if gate.sharing == "head_shared" else heads)
+        elif gate.sharing == "head_shared":
+            count += width * hidden_size
+        else:
+            count += qkv_layout(gate, num_heads, num_groups, head_dim).gate_rows * hidden_size
+    if gate.sdpa_norm == "rmsnorm":
+        count += num_heads * head_dim
+    return count
+
+
+__all__ = ["GatedSelfAttention", "gate_parameter_count"]

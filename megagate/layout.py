@@ -1,0 +1,160 @@
+"""Row layout of the fused `linear_qkv` weight and conversions between the layouts found in the wild.
+
+megagate fuses every head-specific, query-dependent gate projection of positions G1–G4 into `linear_qkv`, laid out
+per query group so that column-parallel TP (which hands each rank a contiguous block of rows) gives every rank the
+q, k, v *and* gate rows of the same heads:
+
+    per group g (ng groups, npg = np / ng query heads each):
+        [ q: npg·hn | q-side gate (G1/G4): npg·w | k: hn | v: hn | kv-side gate (G2/G3): w ]      w = hn or 1
+
+For G1 elementwise this is exactly megatron-core's `attention_output_gate` layout ([q, gate, k, v] per group), so
+those checkpoints load unchanged; `convert_rows` maps any layout onto another by naming every row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megagate.errors import ConfigError
+from megagate.gate import GateConfig
+
+RowKey = tuple[str, int, int]  # (tensor, head or group index, channel)
+
+
+@dataclass(frozen=True)
+class QkvLayout:
+    """Sizes of the fused qkv(+gate) projection for `num_heads` query heads in `num_groups` KV groups."""
+
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    q_gate_width: int = 0  # gate scores per query head fused here (0: none)
+    kv_gate_width: int = 0  # gate scores per KV head fused here (0: none)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_groups:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_heads}) must be divisible by num_query_groups ({self.num_groups})"
+            )
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_groups
+
+    def group_segments(self) -> list[tuple[str, int]]:
+        """(name, rows) of one group's block, in order; zero-width gate segments are omitted."""
+        npg, hn = self.heads_per_group, self.head_dim
+        segments = [("q", npg * hn), ("q_gate", npg * self.q_gate_width), ("k", hn), ("v", hn),
+                    ("kv_gate", self.kv_gate_width)]  # fmt: skip
+        return [(name, rows) for name, rows in segments if rows > 0]
+
+    @property
+    def rows_per_group(self) -> int:
+        return sum(rows for _, rows in self.group_segments())
+
+    @property
+    def rows(self) -> int:
+        return self.num_groups * self.rows_per_group
+
+    @property
+    def gate_rows(self) -> int:
+        """Rows added to linear_qkv by the fused gate."""
+        return self.num_heads * self.q_gate_width + self.num_groups * self.kv_gate_width
+
+    def row_keys(self) -> list[RowKey]:
+        """The name of every row, in order (query-side gates are indexed by query head, kv-side by group)."""
+        keys: list[RowKey] = []
+        npg, hn = self.heads_per_group, self.head_dim
+        for g in range(self.num_groups):
+            for name, _ in self.group_segments():
+                if name == "q":
+                    keys += [("q", g * npg + i, c) for i in range(npg) for c in range(hn)]
+                elif name == "q_gate":
+                    keys += [("q_gate", g * npg + i, c) for i in range(npg) for c in range(self.q_gate_width)]
+                elif name == "kv_gate":
+                    keys += [("kv_gate", g, c) for c in range(self.kv_gate_width)]
+                else:
+                    keys += [(name, g, c) for c in range(hn)]
+        return keys
+
+    def local(self, tp_size: int) -> "QkvLayout":
+        """The layout of one tensor-parallel rank's shard."""
+        if self.num_groups % tp_size:
+            raise ConfigError(
+                f"num_query_groups ({self.num_groups}) must be divisible by tensor_model_parallel_size ({tp_size}) "
+                "for gated attention"
+            )
+        return QkvLayout(self.num_heads // tp_size, self.num_groups // tp_size, self.head_dim,
+                         self.q_gate_width, self.kv_gate_width)  # fmt: skip
+
+
+def qkv_layout(gate: GateConfig, num_heads: int, num_groups: int, head_dim: int) -> QkvLayout:
+    """The fused layout for a gate configuration (gates that are not fused leave widths at 0)."""
+    width = gate.width(head_dim) if gate.fused_rows else 0
+    return QkvLayout(
+        num_heads,
+        num_groups,
+        head_dim,
+        q_gate_width=width if gate.on_query_heads else 0,
+        kv_gate_width=width if gate.on_kv_heads else 0,
+    )
+
+
+def split_rows(fused: torch.Tensor, layout: QkvLayout) -> dict[str, torch.Tensor]:
+    """Split a fused [rows, ...] tensor (weight or bias) into {segment: [ng, segment_rows, ...]}."""
+    grouped = fused.reshape(layout.num_groups, layout.rows_per_group, *fused.shape[1:])
+    names, sizes = zip(*layout.group_segments())
+    return dict(zip(names, torch.split(grouped, list(sizes), dim=1)))
+
+
+def convert_rows(src: torch.Tensor, src_keys: list[RowKey], dst_keys: list[RowKey]) -> torch.Tensor:
+    """Reorder the rows of `src` (named by src_keys) into the order dst_keys names."""
+    if len(src_keys) != src.shape[0]:
+        raise ValueError(f"src has {src.shape[0]} rows but {len(src_keys)} row names")
+    index = {key: i for i, key in enumerate(src_keys)}
+    missing = [k for k in dst_keys if k not in index]
+    if missing:
+        raise ValueError(f"{len(missing)} destination rows have no source, e.g. {missing[0]}")
+    return src[torch.tensor([index[k] for k in dst_keys], dtype=torch.long)]
+
+
+def megatron_output_gate_keys(num_heads: int, num_groups: int, head_dim: int) -> list[RowKey]:
+    """Row names of megatron-core's `attention_output_gate=True` linear_qkv: per group [q, gate, k, v]."""
+    npg, keys = num_heads // num_groups, []
+    for g in range(num_groups):
+        heads = range(g * npg, (g + 1) * npg)
+        keys += [("q", h, c) for h in heads for c in range(head_dim)]
+        keys += [("q_gate", h, c) for h in heads for c in range(head_dim)]
+        keys += [("k", g, c) for c in range(head_dim)] + [("v", g, c) for c in range(head_dim)]
+    return keys
+
+
+def qwen3_next_keys(num_heads: int, num_groups: int, head_dim: int) -> list[RowKey]:
+    """Row names of Hugging Face Qwen3-Next's concatenated [q_proj; k_proj; v_proj] (q_proj: per head [q | gate])."""
+    keys = [(name, h, c) for h in range(num_heads) for name in ("q", "q_gate") for c in range(head_dim)]
+    keys += [("k", g, c) for g in range(num_groups) for c in range(head_dim)]
+    keys += [("v", g, c) for g in range(num_groups) for c in range(head_dim)]
+    return keys
+
+
+def from_megatron_output_gate(weight: torch.Tensor, num_heads: int, num_groups: int, head_dim: int) -> torch.Tensor:
+    """megatron-core gated linear_qkv (weight or bias) → megagate G1-elementwise linear_qkv."""
+    layout = QkvLayout(num_heads, num_groups, head_dim, q_gate_width=head_dim)
+    return convert_rows(weight, megatron_output_gate_keys(num_heads, num_groups, head_dim), layout.row_keys())
+
+
+def to_megatron_output_gate(weight: torch.Tensor, num_heads: int, num_groups: int, head_dim: int) -> torch.Tensor:
+    """megagate G1-elementwise linear_qkv → megatron-core `attention_output_gate` linear_qkv."""
+    layout = QkvLayout(num_heads, num_groups, head_dim, q_gate_width=head_dim)
+    return convert_rows(weight, layout.row_keys(), megatron_output_gate_keys(num_heads, num_groups, head_dim))
+
+
+def from_qwen3_next(
+    q_proj: torch.Tensor, k_proj: torch.Tensor, v_proj: torch.Tensor, num_heads: int, num_groups: int, head_dim: int
+) -> torch.Tensor:
+    """Hugging Face Qwen3-Next q_proj/k_proj/v_proj → megagate G1-elementwise linear_qkv."""
+    layout = QkvLayout(num_heads, num_groups, head_dim, q_gate_width=head_dim)
+    stacked = torch.cat([q_proj, k_proj, v_proj], dim=0)
+    return convert_rows(stacked, qwen3_next_keys(num_heads, num_groups, head_dim), layout.row_keys())

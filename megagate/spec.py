@@ -1,0 +1,145 @@
+"""Gated layer specs, derived from megatron-core's own GPT specs with only the attention module swapped.
+
+Starting from megatron's specs (Transformer Engine or local modules, dense or MoE, QK-norm, layer patterns and
+pipeline slicing all decided by megatron) keeps every other megatron feature working: TE's fused layernorm-linear and
+FP8/BF16 modules, grouped-GEMM experts, the MoE router. Two things are added:
+
+* `self_attention` becomes `GatedSelfAttention` with the `GateConfig` as a spec parameter;
+* with `gate.sandwich_norm`, both bias-dropout-add modules become `SublayerOutputNormBDA`, which normalises the
+  sublayer output before the residual add (the paper's sandwich-norm stability baseline).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Optional
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megagate.attention import GatedSelfAttention
+from megagate.errors import ConfigError
+from megagate.gate import GateConfig
+
+BACKENDS = ("local", "te")
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine's PyTorch modules import."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or a CUDA/driver error raised while loading TE's library
+        return False
+    return True
+
+
+def check_backend(backend: str) -> None:
+    """Refuse unknown backends, and 'te' where Transformer Engine is not installed."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend == "te" and not transformer_engine_available():
+        raise ConfigError(
+            "backend='te' needs Transformer Engine, which is not installed (pip install -e '.[te]' on a CUDA "
+            "machine); use backend='local'"
+        )
+
+
+def check_gate_compatible(config: TransformerConfig, gate: GateConfig, tp_size: int) -> None:
+    """Model-level validation of a gate against the transformer config and tensor-parallel size."""
+    if config.multi_latent_attention and (gate.enabled or gate.sdpa_norm != "none"):
+        raise ConfigError(
+            f"gate.position={gate.position!r} is not supported with multi_latent_attention (MLA): megagate gates "
+            "standard multi-head/GQA attention; set gate.position='none' or multi_latent_attention=false"
+        )
+    if config.num_attention_heads % tp_size:
+        raise ConfigError(
+            f"num_attention_heads ({config.num_attention_heads}) must be divisible by "
+            f"tensor_model_parallel_size ({tp_size})"
+        )
+    groups = config.num_query_groups or config.num_attention_heads
+    if groups % tp_size:
+        raise ConfigError(
+            f"num_query_groups ({groups}) must be divisible by tensor_model_parallel_size ({tp_size}) "
+            "(megagate keeps each KV group's q, k, v and gate rows on one rank)"
+        )
+
+
+class SublayerOutputNormBDA(MegatronModule):
+    """Bias-dropout-add that normalises the sublayer output first: x + dropout(norm(f(x)))."""
+
+    def __init__(self, config: TransformerConfig, norm: Callable[..., Any]) -> None:
+        super().__init__(config=config)
+        self.norm = norm(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+
+    def forward(self, training: bool, fused: bool) -> Callable:
+        """Return the bias-dropout-add function, like megatron's `get_bias_dropout_add(training, fused)`."""
+        bda = get_bias_dropout_add(training, fused)
+
+        def normed_bda(x_with_bias: tuple, residual: Any, prob: float) -> Any:
+            x, bias = x_with_bias
+            if bias is not None:
+                x = x + bias
+            return bda((self.norm(x), None), residual, prob)
+
+        return normed_bda
+
+
+def _norm_builder(layer_spec: ModuleSpec, backend: str) -> Callable[..., Any]:
+    if backend == "te":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    return layer_spec.submodules.input_layernorm
+
+
+def gate_layer(layer_spec: ModuleSpec, gate: GateConfig, config: TransformerConfig, backend: str) -> ModuleSpec:
+    """A copy of a megatron TransformerLayer spec with the gated attention (and sandwich norm) swapped in."""
+    spec = copy.deepcopy(layer_spec)
+    attention = spec.submodules.self_attention
+    spec.submodules.self_attention = ModuleSpec(
+        module=GatedSelfAttention,
+        params={**attention.params, "gate": gate},
+        submodules=attention.submodules,
+    )
+    if gate.sandwich_norm:
+        norm = _norm_builder(layer_spec, backend)
+        bda = ModuleSpec(module=SublayerOutputNormBDA, params={"config": config, "norm": norm})
+        spec.submodules.self_attn_bda = bda
+        spec.submodules.mlp_bda = bda
+    return spec
+
+
+def gated_decoder_block_spec(
+    config: TransformerConfig,
+    gate: GateConfig,
+    backend: str = "local",
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+    tp_size: int = 1,
+) -> TransformerBlockSubmodules:
+    """megatron's GPT decoder block spec (this pipeline stage's layers) with gated attention in every layer."""
+    check_backend(backend)
+    check_gate_compatible(config, gate, tp_size)
+    block = get_gpt_decoder_block_spec(
+        config,
+        use_transformer_engine=backend == "te",
+        normalization=config.normalization,
+        vp_stage=vp_stage,
+        pp_rank=pp_rank,
+    )
+    block.layer_specs = [gate_layer(layer, gate, config, backend) for layer in block.layer_specs]
+    return block
+
+
+def gated_layer_spec(config: TransformerConfig, gate: GateConfig, backend: str = "local", tp_size: int = 1) -> ModuleSpec:
+    """One gated TransformerLayer spec (dense, or MoE when config.num_moe_experts is set)."""
+    check_backend(backend)
+    check_gate_compatible(config, gate, tp_size)
+    single = copy.copy(config)
+    single.num_layers, single.moe_layer_freq = 1, 1
+    layers = get_gpt_decoder_layer_specs(single, use_transformer_engine=backend == "te", normalization=config.normalization)
+    return gate_layer(layers[0], gate, config, backend)
