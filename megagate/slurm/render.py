@@ -48,6 +48,11 @@ def _q(value: str) -> str:
     return shlex.quote(value)
 
 
+def bash_master_port_expr() -> str:
+    """megagate.launch.derive_master_port as a bash arithmetic expansion (the torchrun launcher needs it in bash)."""
+    return f"$(( {PORT_BASE} + (SLURM_JOB_ID * {PORT_SLOTS} + ${{SLURM_RESTART_COUNT:-0}} % {PORT_SLOTS}) % {PORT_SPAN} ))"
+
+
 def _env_lines(request: SlurmRequest) -> list[str]:
     env: dict[str, str | None] = dict(DEFAULT_ENV)
     env.update(request.env)
@@ -167,11 +172,12 @@ echo "megagate-slurm: job ${SLURM_JOB_ID} attempt $((RESTARTS + 1)) (restart ${R
 
 signalled=0
 step_pid=""
+SIGNAL_EXIT_OK=@SIGNAL_EXIT_OK@   # 1: a non-zero step exit after the warning is the launcher's, not a failure
 on_warning() {
     # Slurm's warning (or `scancel --batch --signal=USR1`): have the trainer checkpoint and exit, then requeue.
     signalled=1
     echo "megagate-slurm: caught SIGUSR1 at $(date -Is); forwarding SIG@FORWARD@ to the training step"
-    if [[ -n "$step_pid" ]]; then kill -s @FORWARD@ "$step_pid" 2>/dev/null || true; fi
+    if [[ -n "$step_pid" ]]; then @FORWARD_CMD@; fi
 }
 trap on_warning USR1
 
@@ -201,8 +207,9 @@ if (( rc == 0 && ! signalled )); then
     exit 0
 fi
 
-if (( rc == 0 )); then
-    reason="checkpointed and exited after the warning signal"
+if (( signalled && (rc == 0 || SIGNAL_EXIT_OK) )); then
+    # torchrun re-raises the forwarded TERM after its workers exit, so its step never ends with 0 here.
+    reason="checkpointed and exited after the warning signal (step exit code $rc)"
     printf '%s\t%s\t%s\n' "$RESTARTS" 0 "signalled" >> "$FAILURES"
 else
     signature=$(failure_signature "$rc")
@@ -226,6 +233,15 @@ scontrol requeue "$SLURM_JOB_ID" || { echo "megagate-slurm: scontrol requeue ${S
 sleep 60   # let Slurm end this attempt; exiting first would look like a finished job
 exit 1
 """
+
+
+_FORWARD_CMD = {
+    # srun passes USR1 on to every task.
+    "srun": 'kill -s USR1 "$step_pid" 2>/dev/null || true',
+    # srun would treat TERM as "cancel the step" (SIGKILL after KillWait); scancel signals the step's tasks
+    # (the torchrun agents) directly, and torchrun passes TERM on to its workers (giving them 30 s).
+    "torchrun": 'scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || true',
+}
 
 
 def render_batch_script(
@@ -275,7 +291,7 @@ def render_batch_script(
         "# Launcher variables leaked from the submitting shell would override the ones srun/torchrun set.",
         "unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT",
     ]
-    port = f"$(( {PORT_BASE} + (SLURM_JOB_ID * {PORT_SLOTS} + ${{SLURM_RESTART_COUNT:-0}} % {PORT_SLOTS}) % {PORT_SPAN} ))"
+    port = bash_master_port_expr()
     if request.master_addr:
         lines.append(f"export MASTER_ADDR={_q(request.master_addr)}")
     elif launcher == "torchrun":
@@ -290,7 +306,9 @@ def render_batch_script(
     lines += _sweep_lines(sweep)
     body = (
         _REQUEUE.replace("@STATE_SUBDIR@", STATE_SUBDIR)
+        .replace("@FORWARD_CMD@", _FORWARD_CMD[launcher])
         .replace("@FORWARD@", forward)
+        .replace("@SIGNAL_EXIT_OK@", "1" if launcher == "torchrun" else "0")
         .replace("@STEP@", step)
     )
     return "\n".join(lines) + "\n" + body
