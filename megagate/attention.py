@@ -20,7 +20,7 @@ G2/G3/G4 gate the projected value/key/query before QK-norm and RoPE (the paper's
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -34,7 +34,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_size
 from torch import Tensor
 
-from megagate.gate import GateConfig, apply_gate, head_rms_norm
+from megagate.gate import GateConfig, combine, gate_scores, head_rms_norm
 from megagate.layout import QkvLayout, qkv_layout, split_rows
 
 
@@ -74,6 +74,9 @@ class GatedSelfAttention(SelfAttention):
         submodules.linear_qkv = build_fused_qkv
         super().__init__(config, submodules, layer_number, **kwargs)
         self.linear_qkv_out_dim += extra_rows
+        # Diagnostics (megagate.monitor) set this to receive the gate scores [sq, b, heads, w] of each forward;
+        # None (the default) costs one attribute check.
+        self.score_observer: Optional[Callable[["GatedSelfAttention", Tensor], None]] = None
         self._build_gate_parameters(tp_size)
 
     # --- parameters ----------------------------------------------------------------------------------------------
@@ -177,11 +180,11 @@ class GatedSelfAttention(SelfAttention):
             else:
                 logits = self._unfused_logits(hidden_states)
         if gate.position == "g4":
-            query = apply_gate(query, logits, gate)
+            query = self._gate(query, logits)
         elif gate.position == "g3":
-            key = apply_gate(key, logits, gate)
+            key = self._gate(key, logits)
         elif gate.position == "g2":
-            value = apply_gate(value, logits, gate)
+            value = self._gate(value, logits)
 
         if self.q_layernorm is not None:
             query = self.q_layernorm(query)
@@ -198,7 +201,7 @@ class GatedSelfAttention(SelfAttention):
         sq, b = x.shape[:2]
         y = x.view(sq, b, self.num_attention_heads_per_partition, self.config.kv_channels)
         if self.gate.position == "g1":
-            y = apply_gate(y, logits, self.gate)
+            y = self._gate(y, logits)
         elif self.gate.sdpa_norm == "rmsnorm":
             y = head_rms_norm(y, self.sdpa_norm_weight, self.config.layernorm_epsilon)
         elif self.gate.sdpa_norm == "silu":
@@ -216,7 +219,13 @@ class GatedSelfAttention(SelfAttention):
             logits = self.gate_param  # [1, h]
         else:
             logits = torch.nn.functional.linear(hidden_states, self.output_gate_weight)  # [sq(/tp), b, h]
-        return apply_gate(output, logits, self.gate), bias
+        return self._gate(output, logits), bias
+
+    def _gate(self, y: Tensor, logits: Tensor) -> Tensor:
+        scores = gate_scores(logits, self.gate.activation)  # fp32
+        if self.score_observer is not None:
+            self.score_observer(self, scores.detach())
+        return combine(y, scores, self.gate.combine)
 
     # --- checkpointing ----------------------------------------------------------------------------------------------
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):

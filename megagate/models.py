@@ -292,3 +292,14 @@ def from_dict(values: Mapping[str, Any], gate: GateConfig) -> ModelConfig:
             raise ConfigError(f"model.{unknown[0]} is not a model field; fields: {', '.join(sorted(fields))}")
         return ModelConfig(gate=gate, **values)
     return model_preset(preset_name, gate=gate, **values)
+
+
+def meta_parameter_count(model: ModelConfig) -> int:
+    """Parameters of the model as megatron builds it (TP=PP=1), on the meta device: no memory, no initialisation.
+
+    Needs megatron's parallel state (e.g. inside `megagate.parallel.single_process()`).
+    """
+    config = transformer_config(model, use_cpu=True, perform_initialization=False)
+    with torch.device("meta"):
+        gpt = build_gpt_model(model, config)
+    return sum(p.numel() for p in gpt.parameters())

@@ -1,0 +1,56 @@
+"""`megagate variants`: the gate presets, and parameter counts of the paper's models for each."""
+
+from __future__ import annotations
+
+import argparse
+
+from megagate import gate as gates
+from megagate import models
+
+PAPER_MODELS = ("1.7b-28l", "1.7b-48l", "15a2b-moe")
+
+
+def parameter_table(model_presets: tuple[str, ...], variants: list[str], build: bool) -> list[dict]:
+    """One row per (model, variant): analytic counts, and the count of the model megatron builds (meta device)."""
+    rows = []
+    for preset in model_presets:
+        for variant in variants:
+            model = models.model_preset(preset, gate=gates.preset(variant))
+            counts = models.parameter_counts(model)
+            rows.append({
+                "model": preset, "variant": variant, "total": counts["total"], "active": counts["active"],
+                "gate": counts["gate"], "ffn": model.effective_ffn_hidden_size,
+                "built": models.meta_parameter_count(model) if build else None,
+            })  # fmt: skip
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    header = f"{'model':10s} {'variant':30s} {'total':>15s} {'active':>15s} {'gate':>13s} {'ffn':>5s} {'built (meta)':>15s}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        built = "-" if r["built"] is None else f"{r['built']:,}"
+        lines.append(f"{r['model']:10s} {r['variant']:30s} {r['total']:>15,} {r['active']:>15,} {r['gate']:>13,} "
+                     f"{r['ffn']:>5d} {built:>15s}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", nargs="+", default=list(PAPER_MODELS), choices=list(models.PRESETS))
+    parser.add_argument("--variants", nargs="+", default=list(gates.PRESETS), choices=list(gates.PRESETS))
+    parser.add_argument("--build", action="store_true", help="also build each model on the meta device and count")
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in args.variants:
+        print(f"{name:32s} {gates.preset(name).describe()}")
+    print()
+    if args.build:
+        from megagate import parallel
+
+        with parallel.single_process():
+            rows = parameter_table(tuple(args.models), args.variants, build=True)
+    else:
+        rows = parameter_table(tuple(args.models), args.variants, build=False)
+    print(format_table(rows))
+    return 0
