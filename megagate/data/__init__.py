@@ -1,0 +1,15 @@
+"""Data tools: real-text corpus, tokenizers, parallel preprocessing to megatron's indexed format, blends, loaders.
+
+Modules (each with one job; importing this package is cheap — no torch, no megatron):
+
+- `corpus`      deterministic real-text corpus from the Python stdlib (docstrings, source) and license texts
+- `tokenizer`   train byte-level BPE; load HF `tokenizer.json`, SentencePiece and tiktoken files; megatron adapter
+- `fast_bpe`    rank-based (tiktoken) engine built from a `tokenizer.json`, producing HF's exact token ids
+- `readers`     streaming input readers (JSONL, JSONL.gz, text, folders) with bad-line accounting
+- `indexed`     streaming, atomic writer of megatron `IndexedDataset` files and a validating reader
+- `preprocess`  the parallel preprocessing pipeline (`megagate preprocess`)
+- `inspect_data` `megagate data inspect PREFIX`
+- `loader`      `build_datasets` (GPTDataset / BlendedMegatronDatasetBuilder) and `build_loader` (torch | dali)
+- `dali_loader` the DALI pipeline behind `build_loader(kind="dali")`
+- `demo`        `prepare_demo_data`: corpus -> tokenizer -> indexed prefix in one call, cached
+"""

@@ -1,0 +1,263 @@
+"""Parallel, streaming, atomic preprocessing of text into megatron-core `IndexedDataset` files.
+
+    preprocess(inputs, output_prefix, tokenizer, keys=("text",), append_eod=True, workers=2)
+
+Pipeline: the main process cuts the inputs into ~1 MB chunks (`readers.iter_chunks`) and hands them to a pool
+of worker processes (forked, each with its own tokenizer, single-threaded); workers decode, parse, validate
+and tokenize a chunk and return compact token arrays; the main process writes results strictly in chunk order
+(`indexed.IndexedWriter`). At most `2 x workers` chunks are in flight, so memory is bounded whatever the input
+size, and the output bytes do not depend on the number of workers.
+
+Outputs: one dataset per JSON key, named like Megatron-LM's tool: `<output_prefix>_<key>_document.{bin,idx}`,
+plus `<...>.meta.json` naming the tokenizer (used by `megagate data inspect`). Every key's dataset is
+finalized (Megatron-LM's `preprocess_data.py` finalized only the last key). Files are written under
+temporary names and renamed when complete.
+
+Bad records (invalid JSON, not an object, missing key, non-string, empty text, non-UTF-8) are counted by
+reason and reported with file and line; `bad_lines="skip"` drops them, `"error"` stops at the first one with
+nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import sys
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from megagate.data.indexed import IndexedWriter, token_dtype
+from megagate.data.readers import BadLine, Chunk, expand_inputs, input_kind, iter_chunks, parse_chunk
+from megagate.errors import ConfigError, MegagateError, require
+
+BAD_LINE_POLICIES = ("skip", "error")
+
+
+@dataclass
+class TokenizerSpec:
+    """How workers load the tokenizer (they cannot receive the object: Rust tokenizers do not pickle)."""
+
+    path: str
+    engine: str = "auto"
+    eod_token: str | None = None
+    pad_token: str | None = None
+    tiktoken_pattern: str = "cl100k"
+
+    def load(self):
+        from megagate.data.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.path, self.engine, self.eod_token, self.pad_token, self.tiktoken_pattern)
+
+
+@dataclass
+class ChunkResult:
+    seq: int
+    per_key: list[tuple[np.ndarray, np.ndarray]]  # (tokens, lengths) for each key
+    documents: int
+    text_bytes: int
+    bad: list[BadLine]
+    blank: int
+
+
+@dataclass
+class PreprocessResult:
+    prefixes: dict[str, str]  # key -> output prefix
+    documents: int = 0
+    tokens: dict[str, int] = field(default_factory=dict)
+    text_bytes: int = 0
+    bad_lines: int = 0
+    bad_by_reason: dict[str, int] = field(default_factory=dict)
+    blank_lines: int = 0
+    seconds: float = 0.0
+    engine: str = ""
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+
+# ---------------------------------------------------------------- worker side
+_W: dict = {}
+
+
+def _init_worker(spec: TokenizerSpec, keys: Sequence[str], append_eod: bool, dtype, threads: bool) -> None:
+    # One thread per worker: N workers use N cores; HF's own thread pool would oversubscribe them.
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads else "false"
+    tok = spec.load()
+    _W.update(tok=tok, keys=tuple(keys), append_eod=append_eod, dtype=np.dtype(dtype))
+
+
+def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    tok = _W["tok"]
+    engine = getattr(tok, "engine", None)
+    if engine is not None:
+        flat, lengths = engine.encode_flat(texts)
+    else:
+        arrays = tok.encode_batch(texts)
+        lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+        flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+    if _W["append_eod"] and len(lengths):
+        flat = np.insert(flat, np.cumsum(lengths), tok.eod)
+        lengths = lengths + 1
+    return flat.astype(_W["dtype"]), lengths
+
+
+def _work(chunk: Chunk) -> ChunkResult:
+    keys = _W["keys"]
+    texts, bad, blank = parse_chunk(chunk, keys if chunk.kind == "jsonl" else keys[:1])
+    per_key = [_encode(t) for t in texts]
+    docs = len(texts[0])
+    # A text that tokenizes to nothing cannot be stored (megatron needs >= 1 token per document); report it.
+    empty = np.zeros(docs, dtype=bool)
+    for _, lengths in per_key:
+        empty |= lengths == 0
+    if empty.any():
+        idx = np.flatnonzero(empty)
+        for i in idx:
+            bad.append(BadLine(chunk.file, chunk.line0, f"document #{int(i)} of this chunk has no tokens"))
+        keep = ~empty
+        new = []
+        for tokens, lengths in per_key:
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            parts = [tokens[s : s + n] for s, n, k in zip(starts, lengths, keep) if k]
+            new.append((np.concatenate(parts) if parts else tokens[:0], lengths[keep]))
+        per_key, docs = new, int(keep.sum())
+    return ChunkResult(chunk.seq, per_key, docs, chunk.nbytes, bad, blank)
+
+
+# ---------------------------------------------------------------- main side
+def _ordered(pool, chunks: Iterable[Chunk], window: int) -> Iterator[ChunkResult]:
+    """Results in submission order with at most `window` chunks in flight (bounded memory)."""
+    pending: deque = deque()
+    for chunk in chunks:
+        pending.append(pool.apply_async(_work, (chunk,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    """Megatron-LM's naming: `<output_prefix>_<key>_document`."""
+    return f"{output_prefix}_{key}_document"
+
+
+def preprocess(
+    inputs: Sequence[str | os.PathLike],
+    output_prefix: str,
+    tokenizer: str | TokenizerSpec,
+    keys: Sequence[str] = ("text",),
+    append_eod: bool = True,
+    workers: int | None = None,
+    text_mode: str = "file",
+    bad_lines: str = "skip",
+    chunk_bytes: int = 1 << 20,
+    overwrite: bool = False,
+    progress: bool = True,
+    max_reported: int = 20,
+    log=None,
+) -> PreprocessResult:
+    """Tokenize `inputs` into one IndexedDataset per key; see the module docstring.
+
+    `workers=0` tokenizes in this process (HF may then use its own threads); `None` means one per CPU core.
+    """
+    from megagate.data.progress import Progress
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    spec = tokenizer if isinstance(tokenizer, TokenizerSpec) else TokenizerSpec(str(tokenizer))
+    keys = tuple(keys)
+    require(len(keys) >= 1, "no JSON key given (--json-keys needs at least one key)")
+    require(len(set(keys)) == len(keys), f"JSON keys {list(keys)}: each key may appear once")
+    for k in keys:
+        require(bool(k) and "/" not in k, f"JSON key {k!r}: must be non-empty and contain no '/'")
+    require(bad_lines in BAD_LINE_POLICIES, f"bad-line policy {bad_lines!r}: allowed values are {', '.join(BAD_LINE_POLICIES)}")
+    workers = os.cpu_count() or 1 if workers is None else workers
+    require(0 <= workers <= 1024, f"workers={workers}: must be between 0 and 1024")
+    require(chunk_bytes >= 1024, f"chunk_bytes={chunk_bytes}: must be at least 1024")
+    files = expand_inputs(inputs)
+    if len(keys) > 1:
+        text_files = [str(f) for f in files if input_kind(f) == "text"]
+        require(not text_files, f"input {text_files[0] if text_files else ''!r} is plain text, which has one text per document; several JSON keys need JSONL inputs")
+    tok = spec.load()  # in the main process only for metadata (vocabulary size, eod) and early errors
+    dtype = token_dtype(tok.vocab_size)
+    prefixes = {k: output_prefix_for(output_prefix, k) for k in keys}
+    for p in prefixes.values():
+        for suffix in (".bin", ".idx"):
+            if os.path.exists(p + suffix) and not overwrite:
+                raise ConfigError(f"output {p + suffix!r} already exists; pass --overwrite to replace it")
+    result = PreprocessResult(prefixes=prefixes, tokens={k: 0 for k in keys}, engine=tok.name)
+    total_disk = sum(f.stat().st_size for f in files)
+    prog = Progress(total_disk, enabled=progress)
+    reader_pos = [0]
+    reasons: Counter = Counter()
+    chunks = iter_chunks(files, text_mode, chunk_bytes, on_progress=lambda b: reader_pos.__setitem__(0, b))
+    writers: dict[str, IndexedWriter] = {}
+    pool = None
+    try:
+        writers = {k: IndexedWriter(p, dtype) for k, p in prefixes.items()}
+        if workers == 0:
+            _init_worker(spec, keys, append_eod, dtype, threads=True)
+            results: Iterator[ChunkResult] = map(_work, chunks)
+        else:
+            # fork: starts in milliseconds and works from unguarded scripts (spawn re-runs `__main__`). Workers set
+            # TOKENIZERS_PARALLELISM=false, so HF never uses a thread pool inherited from this process.
+            ctx = mp.get_context("fork")
+            pool = ctx.Pool(workers, initializer=_init_worker, initargs=(spec, keys, append_eod, dtype, False))
+            results = _ordered(pool, chunks, window=2 * workers)
+        for res in results:
+            for bad in res.bad:
+                reasons[bad.reason.split(" (")[0]] += 1
+                if bad_lines == "error":
+                    raise MegagateError(f"bad input record {bad} (pass --bad-lines skip to skip such records)")
+                if result.bad_lines < max_reported:
+                    log(f"skipped {bad}")
+                result.bad_lines += 1
+            for key, (tokens, lengths) in zip(keys, res.per_key):
+                writers[key].add_documents(tokens, lengths)
+                result.tokens[key] += int(tokens.size)
+            result.documents += res.documents
+            result.text_bytes += res.text_bytes
+            result.blank_lines += res.blank
+            prog.update(docs=res.documents, tokens=sum(int(t.size) for t, _ in res.per_key), text_bytes=res.text_bytes, bad=len(res.bad), disk_done=reader_pos[0])
+        if result.documents == 0:
+            raise MegagateError(f"no valid documents in {', '.join(map(str, inputs))} ({result.bad_lines} bad records); nothing written")
+        for key, w in writers.items():
+            w.finalize()
+            _write_meta(prefixes[key], spec, tok, key, append_eod, w)
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    prog.close()
+    result.seconds = prog.elapsed
+    result.bad_by_reason = dict(reasons)
+    if result.bad_lines > max_reported:
+        log(f"... {result.bad_lines - max_reported} more bad records not shown")
+    return result
+
+
+def _write_meta(prefix: str, spec: TokenizerSpec, tok, key: str, append_eod: bool, w: IndexedWriter) -> None:
+    meta = {
+        "tokenizer": os.path.abspath(spec.path),
+        "tokenizer_sha256": tok.fingerprint(),
+        "tiktoken_pattern": spec.tiktoken_pattern,
+        "eod": tok.eod,
+        "vocab_size": tok.vocab_size,
+        "json_key": key,
+        "append_eod": append_eod,
+        "documents": w.documents,
+        "tokens": w.tokens,
+    }
+    path = Path(prefix + ".meta.json")
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp, path)
