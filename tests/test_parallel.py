@@ -1,0 +1,41 @@
+"""TP=2, PP=2 and EP=2 equal the single-process model, over gloo with 2 real processes."""
+
+import pytest
+
+import distributed
+import parallel_workers
+from megagate import gate as gates
+
+pytestmark = pytest.mark.distributed
+ATTENTION_VARIANTS = list(gates.PRESETS)
+
+
+def test_tp2_equals_tp1_for_every_variant(tmp_path):
+    results = distributed.run(parallel_workers.tp_worker, 2, tmp_path, ATTENTION_VARIANTS)
+    for rank_result in results:
+        assert set(rank_result) == set(ATTENTION_VARIANTS)
+        for variant, diff in rank_result.items():
+            assert diff["loss"] < 1e-5, (variant, diff)
+            assert diff["grad"] < 1e-5 * max(1.0, diff["grad_scale"]), (variant, diff)
+
+
+PP_EP_VARIANTS = ["g1-elementwise", "g2-headwise", "g1-elementwise-head-shared"]
+
+
+def test_pp2_schedule_equals_pp1(tmp_path):
+    results = distributed.run(parallel_workers.pp_worker, 2, tmp_path, PP_EP_VARIANTS, 4)
+    for variant in PP_EP_VARIANTS:
+        first, last = sorted((r[variant] for r in results), key=lambda r: r["stage"])
+        assert last["num_losses"] == 4 and first["num_losses"] == 0
+        assert last["loss"] < 1e-5, (variant, last)
+        assert first["grad"] < 1e-5 and last["grad"] < 1e-5, (variant, first, last)
+        assert len(set(first["ref_losses"])) == 4  # four different micro-batches really went through
+
+
+def test_ep2_moe_equals_ep1(tmp_path):
+    results = distributed.run(parallel_workers.ep_worker, 2, tmp_path, PP_EP_VARIANTS)
+    for rank_result in results:
+        for variant, r in rank_result.items():
+            assert r["expert_params"] > 0
+            assert r["loss"] < 1e-5, (variant, r)
+            assert r["grad"] < 1e-5, (variant, r)
