@@ -216,6 +216,16 @@ def _max_token(bin_path: str, dtype: np.dtype, total: int) -> int:
     return top
 
 
+def read_document(prefix: str, i: int) -> np.ndarray:
+    """Tokens of sequence `i`, read with numpy alone (no torch/megatron import: fast for CLI tools)."""
+    prefix = strip_suffix(str(prefix))
+    dtype, n, _ = read_index_header(prefix + ".idx")
+    mm = np.memmap(prefix + ".idx", mode="r", dtype=np.uint8)
+    length = int(np.frombuffer(mm, dtype=np.int32, count=1, offset=HEADER_BYTES + 4 * i)[0])
+    pointer = int(np.frombuffer(mm, dtype=np.int64, count=1, offset=HEADER_BYTES + 4 * n + 8 * i)[0])
+    return np.array(np.memmap(prefix + ".bin", mode="r", dtype=dtype, offset=pointer, shape=(length,)))
+
+
 def open_indexed(prefix: str, vocab_size: int | None = None):
     """Validate, then return megatron's `IndexedDataset` for `prefix`."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -88,6 +89,9 @@ _W: dict = {}
 def _init_worker(spec: TokenizerSpec, keys: Sequence[str], append_eod: bool, dtype, threads: bool) -> None:
     # One thread per worker: N workers use N cores; HF's own thread pool would oversubscribe them.
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads else "false"
+    if not threads:  # a forked pool worker: the main process handles Ctrl-C and SIGTERM and then stops us
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     tok = spec.load()
     _W.update(tok=tok, keys=tuple(keys), append_eod=append_eod, dtype=np.dtype(dtype))
 

@@ -1,0 +1,104 @@
+"""`megagate data inspect PREFIX`: counts, length histogram and a decoded sample of an indexed dataset."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+
+from megagate.errors import MegagateError, require
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    i = sub.add_parser("inspect", help="documents, tokens, length histogram and a decoded sample of PREFIX(.bin/.idx)")
+    i.add_argument("prefix", help="dataset prefix (PREFIX.bin and PREFIX.idx)")
+    i.add_argument("--tokenizer", "-t", default=None, help="tokenizer to decode with (default: the one named in PREFIX.meta.json)")
+    i.add_argument("--document", type=int, default=0, help="index of the document to decode (default 0)")
+    i.add_argument("--max-chars", type=int, default=600, help="characters of the decoded sample to print")
+    i.add_argument("--json", action="store_true", help="print the statistics as JSON")
+
+
+def length_histogram(lengths: np.ndarray) -> list[tuple[int, int, int]]:
+    """(low, high, count) per power-of-two bucket of document length in tokens."""
+    if lengths.size == 0:
+        return []
+    top = int(np.ceil(np.log2(max(2, int(lengths.max()) + 1))))
+    edges = [0] + [2**k for k in range(top + 1)]
+    counts, _ = np.histogram(lengths, bins=np.asarray(edges) + 0.5)
+    return [(edges[k] + 1, edges[k + 1], int(c)) for k, c in enumerate(counts) if c]
+
+
+def inspect_prefix(prefix: str, tokenizer: str | None = None, document: int = 0, max_chars: int = 600) -> dict:
+    from megagate.data.indexed import read_document, strip_suffix, validate
+
+    prefix = strip_suffix(prefix)
+    meta_path = prefix + ".meta.json"
+    meta = json.load(open(meta_path)) if os.path.isfile(meta_path) else {}
+    tok = None
+    tok_path = tokenizer or meta.get("tokenizer")
+    if tok_path:
+        from megagate.data.tokenizer import load_tokenizer
+
+        if not os.path.exists(tok_path):
+            raise MegagateError(f"tokenizer {tok_path!r} (from {meta_path if not tokenizer else '--tokenizer'}) does not exist; pass --tokenizer")
+        tok = load_tokenizer(tok_path, engine="hf", tiktoken_pattern=meta.get("tiktoken_pattern", "cl100k"))
+    info = validate(prefix, vocab_size=tok.vocab_size if tok else None)
+    lengths = info.pop("lengths").astype(np.int64)
+    stats = {
+        "prefix": prefix,
+        "dtype": info["dtype"].name,
+        "documents": info["documents"],
+        "sequences": info["sequences"],
+        "tokens": info["tokens"],
+        "bin_bytes": os.path.getsize(prefix + ".bin"),
+        "length_min": int(lengths.min()) if lengths.size else 0,
+        "length_mean": float(lengths.mean()) if lengths.size else 0.0,
+        "length_median": float(np.median(lengths)) if lengths.size else 0.0,
+        "length_max": int(lengths.max()) if lengths.size else 0,
+        "histogram": length_histogram(lengths),
+        "tokenizer": tok_path,
+    }
+    if info["sequences"]:
+        require(0 <= document < info["sequences"], f"--document {document}: the dataset has documents 0..{info['sequences'] - 1}", MegagateError)
+        ids = read_document(prefix, document)
+        stats["sample_document"] = document
+        stats["sample_ids"] = [int(x) for x in ids[:32]]
+        if tok is not None:
+            stats["sample_text"] = tok.decode(ids)[:max_chars]
+            if tok.eod is not None:
+                stats["documents_ending_in_eod"] = _count_ending(prefix, info["dtype"], lengths, tok.eod)
+    return stats
+
+
+def _count_ending(prefix: str, dtype, lengths: np.ndarray, eod: int) -> int:
+    # last token of every document, read straight from the memory map
+    ends = np.cumsum(lengths) - 1
+    tokens = np.memmap(prefix + ".bin", mode="r", dtype=dtype)
+    return int(np.count_nonzero(tokens[ends] == eod))
+
+
+def run(args: argparse.Namespace) -> int:
+    stats = inspect_prefix(args.prefix, args.tokenizer, args.document, args.max_chars)
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    print(f"dataset   {stats['prefix']}.bin/.idx ({stats['bin_bytes']:,} bytes, tokens stored as {stats['dtype']})")
+    print(f"documents {stats['documents']:,}   tokens {stats['tokens']:,}")
+    print(f"length    min {stats['length_min']:,}  median {stats['length_median']:,.0f}  mean {stats['length_mean']:,.1f}  max {stats['length_max']:,}")
+    if "documents_ending_in_eod" in stats:
+        print(f"eod       {stats['documents_ending_in_eod']:,} of {stats['documents']:,} documents end with the end-of-document token")
+    print("length histogram (tokens per document):")
+    top = max((c for _, _, c in stats["histogram"]), default=1)
+    for lo, hi, c in stats["histogram"]:
+        print(f"  {lo:>9,}-{hi:<9,} {c:>9,} {'#' * max(1, round(40 * c / top))}")
+    if "sample_document" in stats:
+        print(f"document {stats['sample_document']}: first ids {stats['sample_ids'][:16]}")
+        if "sample_text" in stats:
+            print("decoded:")
+            print(stats["sample_text"])
+        else:
+            print("(no tokenizer known: pass --tokenizer to decode)")
+    return 0

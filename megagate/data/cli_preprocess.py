@@ -1,0 +1,62 @@
+"""`megagate preprocess`: inputs -> `<output-prefix>_<key>_document.{bin,idx}` (see megagate.data.preprocess)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from megagate.errors import MegagateError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input", "-i", nargs="+", required=True, help="JSONL, JSONL.gz or text files, or folders of them")
+    parser.add_argument("--output-prefix", "-o", required=True, help="outputs are <prefix>_<key>_document.bin/.idx")
+    parser.add_argument("--tokenizer", "-t", required=True, help="tokenizer.json, SentencePiece .model or tiktoken BPE file")
+    parser.add_argument("--engine", default="auto", help="for tokenizer.json: auto | fast | hf (default auto)")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to tokenize, one dataset each (default: text)")
+    parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True, help="end each document with the end-of-document token (default: on)")
+    parser.add_argument("--workers", "-w", type=int, default=None, help="tokenizer processes (default: CPU count; 0: in this process)")
+    parser.add_argument("--text-mode", default="file", help="plain-text inputs: file (one document per file) | line (one per line)")
+    parser.add_argument("--bad-lines", default="skip", help="skip (count and report) | error (stop, write nothing)")
+    parser.add_argument("--eod-token", default=None, help="end-of-document token text (default: <|endoftext|>, </s>, ...)")
+    parser.add_argument("--tiktoken-pattern", default="cl100k", help="split regex for tiktoken files: gpt2 | cl100k | o200k | a regex")
+    parser.add_argument("--chunk-mb", type=float, default=1.0, help="input chunk size handed to a worker (default 1 MB)")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    parser.add_argument("--no-progress", action="store_true", help="no progress line")
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    from megagate.data.preprocess import TokenizerSpec, preprocess
+
+    spec = TokenizerSpec(args.tokenizer, args.engine, args.eod_token, None, args.tiktoken_pattern)
+    # SIGTERM (Slurm, kill) unwinds like Ctrl-C, so temporary files are removed.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        res = preprocess(
+            args.input,
+            args.output_prefix,
+            spec,
+            keys=args.json_keys,
+            append_eod=args.append_eod,
+            workers=args.workers,
+            text_mode=args.text_mode,
+            bad_lines=args.bad_lines,
+            chunk_bytes=int(args.chunk_mb * (1 << 20)),
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+        )
+    except KeyboardInterrupt:
+        raise MegagateError("interrupted; temporary files removed, no output written") from None
+    rate = res.total_tokens / max(res.seconds, 1e-9)
+    print(f"engine {res.engine}: {res.documents:,} documents, {res.total_tokens:,} tokens in {res.seconds:.1f} s ({rate:,.0f} tokens/s, {res.text_bytes / max(res.seconds, 1e-9) / 1e6:.1f} MB/s)")
+    if res.bad_lines:
+        detail = ", ".join(f"{n} {r}" for r, n in sorted(res.bad_by_reason.items()))
+        print(f"skipped {res.bad_lines:,} bad records ({detail})", file=sys.stderr)
+    for key, prefix in res.prefixes.items():
+        print(f"{key}: {prefix}.bin / .idx ({res.tokens[key]:,} tokens)")
+    return 0

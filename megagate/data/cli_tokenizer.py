@@ -1,0 +1,104 @@
+"""`megagate tokenizer train|verify`: train a byte-level BPE; check the fast engine against HF."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from megagate.errors import ConfigError, MegagateError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    t = sub.add_parser("train", help="train a byte-level BPE tokenizer.json from JSONL or text files")
+    t.add_argument("--input", "-i", nargs="+", required=True, help="JSONL, JSONL.gz or text files, or folders")
+    t.add_argument("--output", "-o", required=True, help="tokenizer.json path, or a folder to hold one")
+    t.add_argument("--vocab-size", type=int, default=32000)
+    t.add_argument("--min-frequency", type=int, default=2)
+    t.add_argument("--json-keys", nargs="+", default=["text"])
+    t.add_argument("--special-tokens", nargs="+", default=None, help="default: <|endoftext|> <|pad|> (the first is end-of-document)")
+    t.add_argument("--text-mode", default="file", help="plain-text inputs: file | line")
+    v = sub.add_parser("verify", help="encode the vocabulary, unicode probes and optional inputs with the fast and HF engines; compare ids")
+    v.add_argument("tokenizer", help="tokenizer.json")
+    v.add_argument("--input", "-i", nargs="*", default=[], help="also compare on these JSONL/text inputs")
+    v.add_argument("--json-keys", nargs="+", default=["text"])
+
+
+def iter_texts(inputs: Sequence[str], keys: Sequence[str], text_mode: str = "file", stats: dict | None = None) -> Iterator[str]:
+    """All valid texts of the inputs (every key), in input order; bad records are counted in `stats`."""
+    from megagate.data.readers import expand_inputs, iter_chunks, parse_chunk
+
+    for chunk in iter_chunks(expand_inputs(inputs), text_mode):
+        texts, bad, _ = parse_chunk(chunk, keys if chunk.kind == "jsonl" else keys[:1])
+        if stats is not None:
+            stats["bad"] = stats.get("bad", 0) + len(bad)
+            stats.setdefault("first_bad", [str(b) for b in bad[:1]])
+        for per_key in zip(*texts):
+            yield from per_key
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "train":
+        return _train(args)
+    return _verify(args)
+
+
+def _train(args) -> int:
+    from megagate.data.tokenizer import EOD_TOKEN, PAD_TOKEN, train_bpe
+
+    out = Path(args.output)
+    if out.is_dir() or not out.suffix:
+        out = out / "tokenizer.json"
+    stats: dict = {}
+    specials = args.special_tokens or [EOD_TOKEN, PAD_TOKEN]
+    texts = iter_texts(args.input, args.json_keys, args.text_mode, stats)
+    path = train_bpe(texts, out, vocab_size=args.vocab_size, min_frequency=args.min_frequency, special_tokens=specials)
+    if stats.get("bad"):
+        print(f"skipped {stats['bad']} bad records (first: {stats['first_bad'][0]})", file=sys.stderr)
+    from megagate.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(path, engine="auto")
+    print(f"wrote {path}: {tok.vocab_size} tokens, end-of-document id {tok.eod}, padding id {tok.pad}, engine {tok.name}")
+    return 0
+
+
+def _verify(args) -> int:
+    import numpy as np
+
+    from megagate.data.fast_bpe import FastBPE, UnsupportedVocabulary, verify_vocabulary
+    from megagate.data.tokenizer import HFTokenizer
+
+    try:
+        fast = FastBPE.from_tokenizer_json(args.tokenizer)
+    except UnsupportedVocabulary as exc:
+        raise ConfigError(f"{args.tokenizer}: the fast engine cannot express this vocabulary ({exc}); the hf engine will be used") from None
+    except (OSError, ValueError) as exc:
+        raise MegagateError(f"{args.tokenizer}: cannot read ({exc})") from None
+    bad = verify_vocabulary(args.tokenizer, fast)
+    hf = HFTokenizer(args.tokenizer)
+    n_docs = n_tok = 0
+    if args.input:
+        batch: list[str] = []
+        for text in iter_texts(args.input, args.json_keys):
+            batch.append(text)
+            if len(batch) == 256:
+                n_docs, n_tok = _compare(hf, fast, batch, bad, n_docs, n_tok, np)
+                batch = []
+        n_docs, n_tok = _compare(hf, fast, batch, bad, n_docs, n_tok, np)
+    if bad:
+        print(f"MISMATCH on {len(bad)} texts, first: {bad[0][:80]!r}")
+        return 1
+    print(f"fast engine matches HF: vocabulary entries, unicode probes and {n_docs:,} input texts ({n_tok:,} tokens)")
+    return 0
+
+
+def _compare(hf, fast, batch, bad, n_docs, n_tok, np):
+    if not batch:
+        return n_docs, n_tok
+    for t, want, got in zip(batch, hf.encode_batch(batch), fast.encode_batch(batch)):
+        if not np.array_equal(want, got):
+            bad.append(t)
+        n_tok += want.size
+    return n_docs + len(batch), n_tok
