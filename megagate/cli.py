@@ -25,7 +25,7 @@ def register(name: str, module: str, help_text: str) -> None:
 
 def _load_optional_commands() -> None:
     # Sub-command packages built by other parts of the project register themselves here when present.
-    for module in ("megagate.data.commands",):
+    for module in ("megagate.data.commands", "megagate.slurm.commands", "megagate.monitor.commands", "megagate.train.commands"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
