@@ -1,0 +1,49 @@
+"""Spike-event sink: one JSONL line per event (runfiles.EVENTS) and, optionally, TensorBoard scalars."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from megagate.monitor import runfiles
+from megagate.monitor.spike import ACTIONS, SEVERITY, SpikeEvent
+
+
+class EventLog:
+    """Writes spike events; call `write(events)` on the rank that logs (all ranks see the same events)."""
+
+    def __init__(self, path: str | os.PathLike, writer: Optional[Any] = None) -> None:
+        """`path`: the events JSONL file; `writer`: a torch.utils.tensorboard SummaryWriter (or None)."""
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.writer = writer
+
+    def write(self, events: Iterable[SpikeEvent]) -> None:
+        for event in events:
+            runfiles.append_jsonl(self.path, event.to_dict())
+            if self.writer is not None:
+                self._to_tensorboard(event)
+
+    def _to_tensorboard(self, event: SpikeEvent) -> None:
+        # One scalar series per metric: the spiking value (clamped to something plottable) and the action code,
+        # so spikes show up as points on the same step axis as the loss curve.
+        w, step, m = self.writer, event.step, event.metric
+        value = event.value if _finite(event.value) else float("nan")
+        w.add_scalar(f"spike/{m}/value", value, step)
+        if event.baseline is not None:
+            w.add_scalar(f"spike/{m}/baseline", event.baseline, step)
+        if event.score is not None:
+            w.add_scalar(f"spike/{m}/score", event.score if _finite(event.score) else 1e9, step)
+        w.add_scalar(f"spike/{m}/action", float(SEVERITY[event.action]), step)
+        w.add_text("spike/events", f"step {step}: {m}={event.value:g} ({event.reason}) -> {event.action}", step)
+
+    def read(self) -> list[dict[str, Any]]:
+        return runfiles.read_jsonl(self.path)
+
+
+def _finite(x: float) -> bool:
+    return x == x and x not in (float("inf"), float("-inf"))
+
+
+ACTION_CODES = {a: SEVERITY[a] for a in ACTIONS}  # the TensorBoard 'spike/<metric>/action' values
