@@ -9,6 +9,8 @@ else:
   to the CPU and whose `torch.cuda` answers `current_device()` with the CPU device and keeps RNG state on the CPU
   generator. Other modules, and the real `torch` module, are untouched;
 * `tensor_parallel.random`'s two RNG-state helpers are replaced by CPU equivalents;
+* megatron's mixed-precision optimizers classify parameters by CUDA type names in their constructors; there, CPU
+  tensors report the CUDA name of their dtype;
 * torch.compile (megatron's `jit_fuser`) is disabled: fusions only, compiling them on the CPU costs seconds;
 * `moe_utils.te_general_gemm`, only defined when Transformer Engine imports, is set to None so megatron takes its
   non-TE branch.
@@ -183,6 +185,44 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bo
     torch.set_rng_state(new_state)
 
 
+@contextlib.contextmanager
+def _cpu_tensors_report_cuda_types() -> Any:
+    """While active, `tensor.type()` names CPU tensors as their CUDA types ('torch.cuda.FloatTensor', ...)."""
+    original = torch.Tensor.type
+
+    def cuda_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+        if dtype is None and not kwargs and self.device.type == "cpu":
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = cuda_type
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _with_cuda_type_names(cls: type) -> None:
+    # megatron's mixed-precision optimizers sort parameters by `param.type() == 'torch.cuda.FloatTensor'` etc.
+    # in their constructors; the CPU tensors are the same dtypes, so answer with the CUDA names there only.
+    init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        with _cpu_tensors_report_cuda_types():
+            init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+
+def _call_with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _cpu_tensors_report_cuda_types():
+            return fn(*args, **kwargs)
+
+    wrapper.__name__ = getattr(fn, "__name__", "wrapped")
+    return wrapper
+
+
 def check_megatron_version(version: str) -> None:
     """Refuse megatron-core releases whose CUDA call sites were not checked."""
     low, high = (Version(v) for v in SUPPORTED_MEGATRON)
@@ -214,6 +254,14 @@ def install(force: bool = False) -> bool:
     # megatron's `jit_fuser` is torch.compile; on the CPU inductor spends seconds compiling C++ for each fused
     # element-wise op and gains nothing measurable on tiny models, so run those functions eagerly.
     torch._dynamo.config.disable = True
+    optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+    distrib_optimizer = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    _with_cuda_type_names(optimizer.Float16OptimizerWithFloat16Params)
+    _with_cuda_type_names(distrib_optimizer.DistributedOptimizer)
+    clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+    clip = _call_with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)  # asserts fp32 grads by CUDA name
+    for module in (clip_grads, optimizer):
+        module.clip_grad_by_total_norm_fp32 = clip
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
