@@ -60,10 +60,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--max-restarts", type=int, default=50)
     r.add_argument("--max-same-failures", type=int, default=3)
     r.add_argument("--run-dir", default=None, help="restart state and scripts (default runs/<job-name>)")
+    r.add_argument("--progress-file", default=None,
+                   help="the trainer's latest-checkpoint marker (e.g. SAVE/latest_checkpointed_iteration.txt): "
+                        "repeated failures only count as the same when no progress was made")
     r.add_argument("--log-dir", default="logs")
     r.add_argument("--master-addr", default=None, help="rendezvous host (default: first node)")
     parser.add_argument("--script-out", default=None, help="where to write the script (default under run dir)")
     parser.add_argument("--dry-run", action="store_true", help="print the script; do not submit")
+    # `submit CONFIG key=value --nodes 8 other=1`: overrides may sit between flags, which plain parse_args
+    # refuses for a nargs="*" positional; the CLI calls parser.parse_args, so route it to the intermixed parser.
+    parser.parse_args = parser.parse_intermixed_args  # type: ignore[method-assign]
 
 
 def _parse_env(items: list[str]) -> dict[str, str | None]:
@@ -101,6 +107,7 @@ def request_from_args(args: argparse.Namespace) -> SlurmRequest:
         max_restarts=args.max_restarts,
         max_same_failures=args.max_same_failures,
         run_dir=args.run_dir,
+        progress_file=args.progress_file,
         log_dir=args.log_dir,
         master_addr=args.master_addr,
         extra_sbatch=tuple(args.sbatch),
@@ -125,13 +132,26 @@ def train_argv(command: str, config_path: str, overrides: list[str]) -> list[str
     return [*argv, "--config", config_path, *overrides]
 
 
+def render_for_config(
+    request: SlurmRequest,
+    config_path: str,
+    overrides: list[str],
+    *,
+    command: str = DEFAULT_COMMAND,
+    launcher: str = "srun",
+) -> tuple[ParallelLayout, str]:
+    """Check the layout, then render the script (the layout goes in its header). Nothing is written."""
+    layout = layout_for(request, config_path, overrides)
+    script = render_batch_script(
+        request, train_argv(command, config_path, overrides), launcher=launcher,
+        header=f"config: {config_path}\nlayout: {layout.describe()}",
+    )
+    return layout, script
+
+
 def run(args: argparse.Namespace) -> int:
     request = request_from_args(args)
-    layout = layout_for(request, args.config, args.overrides)
-    script = render_batch_script(
-        request, train_argv(args.command, args.config, args.overrides), launcher=args.launcher,
-        header=f"layout: {layout.describe()}",
-    )
+    _, script = render_for_config(request, args.config, args.overrides, command=args.command, launcher=args.launcher)
     print(script, end="")
     if args.dry_run:
         return 0

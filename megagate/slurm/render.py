@@ -166,12 +166,13 @@ _REQUEUE = r"""
 RESTARTS=${SLURM_RESTART_COUNT:-0}
 STATE_DIR="$MEGAGATE_RUN_DIR/@STATE_SUBDIR@"
 mkdir -p "$STATE_DIR"
-FAILURES="$STATE_DIR/job-${SLURM_JOB_ID}.attempts"   # one line per ended attempt: restart, exit code, signature
+FAILURES="$STATE_DIR/job-${SLURM_JOB_ID}.attempts"   # one line per ended attempt: restart, exit code, key, reason
 STEP_ERR="$STATE_DIR/job-${SLURM_JOB_ID}.step.err"    # srun's own messages of the latest attempt
 echo "megagate-slurm: job ${SLURM_JOB_ID} attempt $((RESTARTS + 1)) (restart ${RESTARTS} of ${MEGAGATE_MAX_RESTARTS}) on ${SLURM_JOB_NODELIST} at $(date -Is)"
 
 signalled=0
 step_pid=""
+PROGRESS_FILE=@PROGRESS_FILE@   # the trainer's latest-checkpoint marker, if known (see failure_key)
 SIGNAL_EXIT_OK=@SIGNAL_EXIT_OK@   # 1: a non-zero step exit after the warning is the launcher's, not a failure
 on_warning() {
     # Slurm's warning (or `scancel --batch --signal=USR1`): have the trainer checkpoint and exit, then requeue.
@@ -181,13 +182,32 @@ on_warning() {
 }
 trap on_warning USR1
 
-failure_signature() {
-    # The first failing task's reason as srun reports it, without node and task numbers ("Killed",
-    # "Exited with exit code 3"): the same bug on another node or rank still counts as the same failure.
+failure_reason() {
+    # How the step failed, as srun reports it, without node and task numbers. srun's report order is racy (the
+    # peers of a dead rank fail too, and the culprit may still be exiting when --kill-on-bad-exit terminates it),
+    # so the most specific reason wins: a signal (Killed, Aborted, ...) > an exit code other than 1 > exit code 1
+    # > Terminated.
     local reason
-    reason=$(grep -m1 -E '^srun: error: [^:]+: tasks? [0-9,-]+: ' "$STEP_ERR" 2>/dev/null \
-        | sed -E 's/^srun: error: [^:]+: tasks? [0-9,-]+: //')
+    reason=$(awk '/^srun: error: [^:]+: tasks? [0-9,-]+: / {
+            r = $0; sub(/^srun: error: [^:]+: tasks? [0-9,-]+: /, "", r)
+            s = (r ~ /^Terminated/) ? 0 : (r == "Exited with exit code 1") ? 1 : (r ~ /^Exited with exit code/) ? 2 : 3
+            if (!seen || s > best) { best = s; reason = r; seen = 1 }
+        } END { print reason }' "$STEP_ERR" 2>/dev/null)
     echo "${reason:-step exit code $1}"
+}
+
+failure_key() {
+    # What makes two failures "the same way". With the trainer's progress file: failing again from the same
+    # checkpoint (whatever srun's racy reason says); without one: the same reason.
+    if [[ -n "$PROGRESS_FILE" ]]; then
+        if [[ -f "$PROGRESS_FILE" ]]; then
+            echo "no progress past checkpoint $(head -c 200 "$PROGRESS_FILE" | tr -s '\t\n' '  ' | sed 's/ *$//')"
+        else
+            echo "no checkpoint written yet"
+        fi
+    else
+        echo "$1"
+    fi
 }
 
 if (( signalled )); then
@@ -210,15 +230,19 @@ fi
 if (( signalled && (rc == 0 || SIGNAL_EXIT_OK) )); then
     # torchrun re-raises the forwarded TERM after its workers exit, so its step never ends with 0 here.
     reason="checkpointed and exited after the warning signal (step exit code $rc)"
-    printf '%s\t%s\t%s\n' "$RESTARTS" 0 "signalled" >> "$FAILURES"
+    printf '%s\t%s\t%s\t%s\n' "$RESTARTS" 0 "signalled" "exit code $rc after the warning" >> "$FAILURES"
 else
-    signature=$(failure_signature "$rc")
-    reason="step failed (exit code $rc: $signature)"
-    printf '%s\t%s\t%s\n' "$RESTARTS" "$rc" "$signature" >> "$FAILURES"
+    why=$(failure_reason "$rc")
+    key=$(failure_key "$why")
+    reason="step failed (exit code $rc: $why)"
+    printf '%s\t%s\t%s\t%s\n' "$RESTARTS" "$rc" "$key" "$why" >> "$FAILURES"
+    # Consecutive: the last N attempts all failed with this key (a signalled attempt in between breaks the run).
     same=$(tail -n "$MEGAGATE_MAX_SAME_FAILURES" "$FAILURES" \
-        | awk -F'\t' -v s="$signature" '$2 != 0 && $3 == s' | wc -l)
+        | awk -F'\t' -v k="$key" '$2 != 0 && $3 == k' | wc -l)
     if (( same >= MEGAGATE_MAX_SAME_FAILURES )); then
-        echo "megagate-slurm: giving up: the training step failed ${same} times the same way ($signature); not requeueing. Attempts: $FAILURES" >&2
+        detail="$key"
+        [[ "$key" != "$why" ]] && detail="$key; last: $why"
+        echo "megagate-slurm: giving up: the training step failed ${same} times the same way ($detail); not requeueing. Attempts: $FAILURES" >&2
         exit 1
     fi
 fi
@@ -308,6 +332,7 @@ def render_batch_script(
         _REQUEUE.replace("@STATE_SUBDIR@", STATE_SUBDIR)
         .replace("@FORWARD_CMD@", _FORWARD_CMD[launcher])
         .replace("@FORWARD@", forward)
+        .replace("@PROGRESS_FILE@", _q(request.progress_file or ""))
         .replace("@SIGNAL_EXIT_OK@", "1" if launcher == "torchrun" else "0")
         .replace("@STEP@", step)
     )

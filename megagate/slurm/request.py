@@ -58,6 +58,7 @@ class SlurmRequest:
     max_restarts: int = 50  # requeues of any kind (wall time, preemption, failures)
     max_same_failures: int = 3  # stop when the step fails this many times in a row the same way
     run_dir: str | None = None  # where the restart state lives; default runs/<job_name>
+    progress_file: str | None = None  # e.g. <save>/latest_checkpointed_iteration.txt: failures differ by progress
     log_dir: str = "logs"
     master_addr: str | None = None  # rendezvous host; default: first host of the node list
     extra_sbatch: tuple[str, ...] = ()  # more "#SBATCH" options, e.g. "--exclusive"
@@ -96,7 +97,7 @@ class SlurmRequest:
         if self.array is not None and not _ARRAY.match(self.array):
             raise ConfigError(f"array={self.array!r} is not a Slurm array spec: use forms like 0-7, 1,3,5, 0-15:4, 0-7%2")
         for name in ("partition", "account", "qos", "container_image", "container_workdir", "venv", "master_addr",
-                     "run_dir", "log_dir", "python"):
+                     "run_dir", "progress_file", "log_dir", "python"):
             value = getattr(self, name)
             if value is not None and (not value.strip() or any(c in value for c in "\n\r\0")):
                 raise ConfigError(f"{name}={value!r} is invalid: it must be a non-empty single line")

@@ -276,14 +276,21 @@ class LocalCluster:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace
-        while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if LocalCluster._alive({"p": p})]
-            if pids:
+        alive = list(pids)
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in alive if LocalCluster._alive({"p": p})]
+            if alive:
                 time.sleep(0.2)
-        for pid in pids:
+        for pid in alive:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
+                pass
+        for pid in pids:
+            # Reap the daemons this process started (no zombies left behind); others' children are not ours.
+            try:
+                os.waitpid(pid, 0 if pid in alive else os.WNOHANG)
+            except ChildProcessError:
                 pass
 
     def status(self) -> str:

@@ -51,27 +51,38 @@ class SlurmHarness:
         base.update(kw)
         return SlurmRequest(**base)
 
-    def submit(self, request: SlurmRequest, workdir: Path, args: Sequence[str], launcher: str = "srun") -> int:
-        script = render_batch_script(request, [str(STAND_IN), "--config", "none.yaml", *args], launcher=launcher)
+    def submit(self, request: SlurmRequest, workdir: Path, args: Sequence[str], launcher: str = "srun",
+               program: Sequence[str] = (str(STAND_IN),)) -> int:
+        """Render and submit `python PROGRAM --config none.yaml ARGS` (the stand-in trainer by default)."""
+        script = render_batch_script(request, [*program, "--config", "none.yaml", *args], launcher=launcher)
         return submit(request, script, cwd=workdir, env=self.env, script_path=workdir / f"{request.job_name}.sbatch")
 
     def show(self, job_id: int) -> dict[str, str]:
         out = self.cluster.run("scontrol", "show", "job", "-o", str(job_id), check=False)
         return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
 
+    def job_ids(self) -> set[str]:
+        """Every job the controller remembers (finished ones stay for MinJobAge = 10 min)."""
+        out = self.cluster.run("scontrol", "show", "job", "-o", check=False)
+        return set(re.findall(r"^JobId=(\d+)", out.stdout, flags=re.M))
+
     def wait(self, job_id: int, timeout: float = 120, release: bool = True,
              until: Sequence[str] = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")) -> dict[str, str]:
         """Poll until the job reaches one of `until`; a requeued job held by its BeginTime is started now."""
         deadline = time.monotonic() + timeout
         info: dict[str, str] = {}
+        released: set[str] = set()
         while time.monotonic() < deadline:
             info = self.show(job_id)
             state = info.get("JobState", "")
             if state in until:
                 return info
-            if release and state == "PENDING" and info.get("Reason") == "BeginTime":
-                # A requeued job waits ~2 min before it may start again; the tests do not.
-                self.cluster.run("scontrol", "update", f"jobid={job_id}", "starttime=now", check=False)
+            restarts = info.get("Restarts", "")
+            if release and state == "PENDING" and info.get("Reason") == "BeginTime" and restarts not in released:
+                # A requeued job waits ~2 min before it may start again; the tests wait 3 s. Not 0: a job restarted
+                # within the second of its requeue is refused by slurmd ("Job credential revoked") and FAILS.
+                self.cluster.run("scontrol", "update", f"jobid={job_id}", "starttime=now+3", check=False)
+                released.add(restarts)
             time.sleep(0.25)
         raise AssertionError(f"job {job_id} did not reach {until} in {timeout} s; last: {info}")
 
