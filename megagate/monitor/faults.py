@@ -8,6 +8,8 @@ The trainer calls the hooks at fixed points of its step (all are no-ops on other
     lr = lr * faults.lr_scale(step)                # when setting the LR of this step's update
 
 Config section `monitor.faults`: a list of {"step": int, "kind": one of KINDS, "factor": float}.
+Each fault fires once: after a rollback the replayed step runs clean, like a transient fault (a rollback that
+skips the offending data must be able to succeed). Fired faults are in `state_dict()` for the checkpoint.
 """
 
 from __future__ import annotations
@@ -42,13 +44,22 @@ class FaultInjector:
 
     def __init__(self, faults: Sequence[Fault] = ()) -> None:
         self.faults = tuple(faults)
+        self._fired: set[int] = set()  # indices into self.faults
 
     @classmethod
     def from_config(cls, items: Iterable[Mapping[str, Any]] | None) -> "FaultInjector":
         return cls([Fault(**dict(item)) for item in (items or [])])
 
     def _at(self, step: int, kind: str) -> list[Fault]:
-        return [f for f in self.faults if f.step == step and f.kind == kind]
+        hits = [i for i, f in enumerate(self.faults) if f.step == step and f.kind == kind and i not in self._fired]
+        self._fired.update(hits)
+        return [self.faults[i] for i in hits]
+
+    def state_dict(self) -> dict[str, list[int]]:
+        return {"fired": sorted(self._fired)}
+
+    def load_state_dict(self, state: dict[str, list[int]]) -> None:
+        self._fired = set(state.get("fired", []))
 
     def batch(self, step: int, tokens: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
         """corrupt_batch: replace the batch by uniformly random tokens (a reproducible, out-of-distribution batch)."""

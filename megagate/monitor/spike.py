@@ -212,7 +212,7 @@ class SpikeMonitor:
         self._history: dict[str, deque[float]] = {m: deque(maxlen=self.config.window) for m in self.config.metrics}
         self._last_step: Optional[int] = None
         self._consecutive = 0  # consecutive steps with an event
-        self._backoff_until = -1  # lr_backoff active for steps <= this
+        self._backoff = (0, -1)  # lr_backoff active for steps in [first, last]
         # Ledger: survives rollbacks (restore_after_rollback keeps it).
         self._rollbacks: list[dict[str, int]] = []  # {"event_step", "restore_step", "skip_first", "skip_last"}
         self._num_events = 0
@@ -247,7 +247,9 @@ class SpikeMonitor:
             events = self._decide(step, events)
             self._num_events += len(events)
             if events[0].action == "lr_backoff":
-                self._backoff_until = max(self._backoff_until, step + cfg.lr_backoff_steps - 1)
+                first, last = self._backoff
+                first = first if first <= step <= last + 1 else step  # a spike during a backoff extends it
+                self._backoff = (first, max(last, step + cfg.lr_backoff_steps - 1))
         self._last_step = step
         return events
 
@@ -296,7 +298,8 @@ class SpikeMonitor:
     # --- actions ------------------------------------------------------------------------------------------------
     def lr_scale(self, step: int) -> float:
         """LR multiplier for the update of `step` (lr_backoff_factor while a backoff is active, else 1)."""
-        return self.config.lr_backoff_factor if step <= self._backoff_until else 1.0
+        first, last = self._backoff
+        return self.config.lr_backoff_factor if first <= step <= last else 1.0
 
     def rollback_plan(self, event_step: int, checkpoint_step: int) -> RollbackPlan:
         """Plan a rollback to the checkpoint of `checkpoint_step` after a spike at `event_step`.
@@ -352,7 +355,7 @@ class SpikeMonitor:
             "history": {m: list(h) for m, h in self._history.items()},
             "last_step": self._last_step,
             "consecutive": self._consecutive,
-            "backoff_until": self._backoff_until,
+            "backoff": list(self._backoff),
             "rollbacks": [dict(r) for r in self._rollbacks],
             "num_events": self._num_events,
         }
@@ -367,7 +370,8 @@ class SpikeMonitor:
         self._history = {m: deque((float(v) for v in saved.get(m, [])), maxlen=window) for m in self.config.metrics}
         self._last_step = state.get("last_step")
         self._consecutive = int(state.get("consecutive", 0))
-        self._backoff_until = int(state.get("backoff_until", -1))
+        first, last = state.get("backoff", (0, -1))
+        self._backoff = (int(first), int(last))
         self._rollbacks = [dict(r) for r in state.get("rollbacks", [])]
         self._num_events = int(state.get("num_events", 0))
 
