@@ -1,0 +1,362 @@
+"""The paper's Table-4 diagnostics, per layer, on a probe batch: gate scores, F-Attn, M-Act, max attention logit.
+
+* gate score mean / sparsity (fraction < 0.1) / histogram — from `GatedSelfAttention.score_observer`, which receives
+  the fp32 gate scores [sq, b, heads, w] of each forward (broadcast dims are 1 for head-shared or input-independent
+  gates; the mean and fractions of a broadcast tensor equal those of its expansion, so no expansion is needed).
+* F-Attn — the attention probability on key position 0, averaged over heads, batch and query positions >= 1
+  (query 0 can only attend to itself).
+* max attention logit — the largest scaled pre-softmax logit q·k·scale over causally visible pairs.
+  Both are recomputed in fp32 from the query [sq, b, np, hn] and key [sk, b, ng, hn] that `core_attention` receives
+  (after QK-norm and RoPE), captured with a forward pre-hook: backend independent, since flash attention never
+  materialises probabilities.
+* M-Act — max |hidden state| at each layer's output (the TransformerLayer returns (hidden_states, context)).
+
+Zero cost when off: hooks and observers exist only inside `Probe` (removed in `finally`).
+
+Parallelism: each pipeline stage sees its own layers (`layer` is the global index, so stages' tags never clash).
+Under tensor parallelism every statistic is kept as sums / counts / maxima and reduced over the TP group (heads and,
+with sequence parallelism, sequence chunks are split across TP ranks), so every TP rank returns the full-layer values.
+Packed sequences (THD) and sliding-window attention are not handled: the probe assumes causal [s, b] batches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+SPARSE_BELOW = 0.1  # the paper's sparsity threshold on gate scores
+HIST_BINS = 20
+_BOUNDED = ("sigmoid", "ns_sigmoid")  # activations with scores in [0, 1]: fixed histogram bins
+
+
+@dataclass
+class LayerDiagnostics:
+    """One layer's diagnostics (layer = global 0-based index). Gate fields are None for ungated layers."""
+
+    layer: int
+    f_attn: float
+    m_act: float
+    max_logit: float
+    gate_score_mean: Optional[float] = None
+    gate_sparsity: Optional[float] = None
+    gate_min: Optional[float] = None
+    gate_max: Optional[float] = None
+    gate_hist_edges: Optional[list[float]] = None  # HIST_BINS + 1 edges
+    gate_hist_counts: Optional[list[float]] = None  # counts of (distinct, unexpanded) scores per bin
+    f_attn_per_head: list[float] = field(default_factory=list)
+    attn_map: Optional[Tensor] = None  # [sq, sk] probabilities of (batch 0, head 0) when asked for
+
+    def record(self, step: int) -> dict[str, Any]:
+        """The runfiles.DIAGNOSTICS line for this layer."""
+        return {"step": step, "layer": self.layer, "gate_score_mean": self.gate_score_mean,
+                "gate_sparsity": self.gate_sparsity, "f_attn": self.f_attn, "m_act": self.m_act,
+                "max_logit": self.max_logit}  # fmt: skip
+
+
+# --- pure math ---------------------------------------------------------------------------------------------------
+def attention_logits(query: Tensor, key: Tensor, scale: float, mask: Optional[Tensor] = None) -> Tensor:
+    """Scaled causal logits [b, np, sq, sk] in fp32 (masked entries = -inf) from query [sq, b, np, hn], key [sk, b, ng, hn].
+
+    GQA: each key group serves np/ng consecutive query heads (megatron's repeat_interleave). `mask`: optional bool
+    [b or 1, 1, sq, sk], True = masked (megatron's convention), combined with the causal mask.
+    """
+    sq, sk = query.shape[0], key.shape[0]
+    np_, ng = query.shape[2], key.shape[2]
+    q = query.float().permute(1, 2, 0, 3)  # [b, np, sq, hn]
+    k = key.float().permute(1, 2, 0, 3)  # [b, ng, sk, hn]
+    if np_ != ng:
+        k = k.repeat_interleave(np_ // ng, dim=1)
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
+    # Causal with the queries aligned to the end of the keys (sq == sk for training probes).
+    causal = torch.ones(sq, sk, dtype=torch.bool, device=logits.device).triu(sk - sq + 1)
+    masked = causal if mask is None else causal | mask.to(torch.bool)
+    return logits.masked_fill(masked, -math.inf)
+
+
+def attention_stats(logits: Tensor) -> dict[str, Tensor]:
+    """Sums and maxima of one attention call (reducible over TP ranks): first-token prob per head, counts, max logit."""
+    probs = torch.softmax(logits, dim=-1)  # [b, np, sq, sk]
+    first = probs[:, :, 1:, 0]  # queries >= 1 on key 0
+    return {
+        "f_sum_per_head": first.sum(dim=(0, 2)),  # [np]
+        "f_count_per_head": torch.full((logits.shape[1],), float(first.shape[0] * first.shape[2])),
+        "max_logit": logits.max(),  # masked entries are -inf
+        "probs": probs,
+    }
+
+
+def softmax_scale(core_attention: torch.nn.Module, head_dim: int) -> float:
+    """The scale core attention applies to q·k (megatron's local or TE module; 1/sqrt(hn) otherwise)."""
+    scale = getattr(core_attention, "softmax_scale", None)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    # megatron's apply_query_key_layer_scaling divides softmax_scale by the layer number and multiplies it back
+    # inside its fused softmax.
+    coeff = getattr(getattr(core_attention, "scale_mask_softmax", None), "scale", None)
+    return scale * float(coeff) if coeff else scale
+
+
+# --- capture -----------------------------------------------------------------------------------------------------
+class _LayerState:
+    """Running sums for one layer over the forwards of one probe (several micro-batches add up)."""
+
+    def __init__(self, layer: int) -> None:
+        self.layer = layer
+        self.f_sum: Optional[Tensor] = None
+        self.f_count: Optional[Tensor] = None
+        self.max_logit = -math.inf
+        self.m_act = 0.0
+        self.g_sum = self.g_count = self.g_sparse = 0.0
+        self.g_min, self.g_max = math.inf, -math.inf
+        self.g_hist: Optional[Tensor] = None
+        self.g_bounded = True
+        self.g_seen = False
+        self.attn_map: Optional[Tensor] = None
+
+
+class Probe:
+    """Context manager that instruments a GPTModel's layers; run any forward(s) inside it, then call `results()`.
+
+    Use this directly when the forward must go through megatron's pipeline schedule (PP > 1); `collect` covers the
+    single-stage case.
+    """
+
+    def __init__(self, model: torch.nn.Module, keep_attn_map: bool = False, tp_group: Any = None) -> None:
+        self.model = model
+        self.keep_attn_map = keep_attn_map
+        self.tp_group = tp_group
+        self._handles: list[Any] = []
+        self._observed: list[Any] = []
+        self._states: dict[int, _LayerState] = {}
+
+    def __enter__(self) -> "Probe":
+        try:
+            for layer in _decoder_layers(self.model):
+                index = int(getattr(layer, "layer_number", len(self._states) + 1)) - 1
+                state = self._states[index] = _LayerState(index)
+                self._handles.append(layer.register_forward_hook(self._layer_hook(state)))
+                attn = getattr(layer, "self_attention", None)
+                core = getattr(attn, "core_attention", None)
+                if core is not None:
+                    self._handles.append(core.register_forward_pre_hook(self._core_hook(state, core), with_kwargs=True))
+                if attn is not None and hasattr(attn, "score_observer"):
+                    attn.score_observer = self._score_observer(state, getattr(attn, "gate", None))
+                    self._observed.append(attn)
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        for attn in self._observed:
+            attn.score_observer = None
+        self._handles, self._observed = [], []
+
+    # hooks
+    def _layer_hook(self, state: _LayerState) -> Callable:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            hidden = output[0] if isinstance(output, (tuple, list)) else output  # [s, b, h]
+            state.m_act = max(state.m_act, float(hidden.detach().abs().max()))
+
+        return hook
+
+    def _core_hook(self, state: _LayerState, core: torch.nn.Module) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            query = args[0] if args else kwargs["query"]
+            key = args[1] if len(args) > 1 else kwargs["key"]
+            mask = args[3] if len(args) > 3 else kwargs.get("attention_mask")
+            scale = softmax_scale(core, query.shape[-1])
+            logits = attention_logits(query.detach(), key.detach(), scale, mask)
+            stats = attention_stats(logits)
+            state.f_sum = stats["f_sum_per_head"] if state.f_sum is None else state.f_sum + stats["f_sum_per_head"]
+            state.f_count = stats["f_count_per_head"] if state.f_count is None else state.f_count + stats["f_count_per_head"]
+            state.max_logit = max(state.max_logit, float(stats["max_logit"]))
+            if self.keep_attn_map and state.attn_map is None:
+                state.attn_map = stats["probs"][0, 0].cpu()
+
+        return hook
+
+    def _score_observer(self, state: _LayerState, gate: Any) -> Callable:
+        bounded = getattr(gate, "activation", "sigmoid") in _BOUNDED
+
+        def observe(module: torch.nn.Module, scores: Tensor) -> None:
+            s = scores.detach().float().reshape(-1)
+            state.g_seen = True
+            state.g_bounded = bounded
+            state.g_sum += float(s.sum())
+            state.g_count += s.numel()
+            state.g_sparse += float((s < SPARSE_BELOW).sum())
+            state.g_min = min(state.g_min, float(s.min()))
+            state.g_max = max(state.g_max, float(s.max()))
+            if bounded:  # fixed bins: histograms of different steps / runs share one axis
+                hist = torch.histc(s, bins=HIST_BINS, min=0.0, max=1.0)
+                state.g_hist = hist if state.g_hist is None else state.g_hist + hist
+
+        return observe
+
+    # results
+    def results(self) -> list[LayerDiagnostics]:
+        """Per-layer diagnostics of everything run inside the probe (TP-reduced when a TP group is set/initialised)."""
+        states = [self._states[i] for i in sorted(self._states)]
+        _reduce_tp(states, self.tp_group)
+        out = []
+        for st in states:
+            f_heads = (st.f_sum / st.f_count.clamp_min(1)).tolist() if st.f_sum is not None else []
+            d = LayerDiagnostics(
+                layer=st.layer,
+                f_attn=float(st.f_sum.sum() / st.f_count.sum().clamp_min(1)) if st.f_sum is not None else math.nan,
+                m_act=st.m_act,
+                max_logit=st.max_logit,
+                f_attn_per_head=f_heads,
+                attn_map=st.attn_map,
+            )
+            if st.g_seen and st.g_count:
+                d.gate_score_mean = st.g_sum / st.g_count
+                d.gate_sparsity = st.g_sparse / st.g_count
+                d.gate_min, d.gate_max = st.g_min, st.g_max
+                if st.g_hist is not None:
+                    d.gate_hist_edges = torch.linspace(0, 1, HIST_BINS + 1).tolist()
+                    d.gate_hist_counts = st.g_hist.tolist()
+            out.append(d)
+        return out
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    inner = model
+    while hasattr(inner, "module") and not hasattr(inner, "decoder"):  # DDP / Float16Module wrappers
+        inner = inner.module
+    decoder = getattr(inner, "decoder", None)
+    if decoder is None or not hasattr(decoder, "layers"):
+        from megagate.errors import MegagateError
+
+        raise MegagateError(f"diagnostics need a megatron GPTModel with decoder.layers; got {type(model).__name__}")
+    return list(decoder.layers)
+
+
+def _tp_group(explicit: Any) -> Any:
+    if explicit is not None:
+        return explicit
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            return None
+        group = parallel_state.get_tensor_model_parallel_group()
+    except Exception:  # megatron not initialised in this process: single-rank semantics
+        return None
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def _reduce_tp(states: list[_LayerState], tp_group: Any) -> None:
+    """Sum the per-head sums/counts and gate sums, max the maxima, over the TP group (every rank gets the totals)."""
+    group = _tp_group(tp_group)
+    if group is None or not states:
+        return
+    import torch.distributed as dist
+
+    # Heads are split over TP: per-head vectors are gathered (each rank holds a different slice).
+    for st in states:
+        if st.f_sum is not None:
+            parts = [torch.empty_like(st.f_sum) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, st.f_sum.contiguous(), group=group)
+            counts = [torch.empty_like(st.f_count) for _ in parts]
+            dist.all_gather(counts, st.f_count.contiguous(), group=group)
+            st.f_sum, st.f_count = torch.cat(parts), torch.cat(counts)
+    sums = torch.tensor([[st.g_sum, st.g_count, st.g_sparse] for st in states], dtype=torch.float64)
+    dist.all_reduce(sums, group=group)
+    maxima = torch.tensor([[st.max_logit, st.m_act, st.g_max, -st.g_min] for st in states], dtype=torch.float64)
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+    for i, st in enumerate(states):
+        st.g_sum, st.g_count, st.g_sparse = sums[i].tolist()
+        st.max_logit, st.m_act, st.g_max, neg_min = maxima[i].tolist()
+        st.g_min = -neg_min
+        if st.g_hist is not None:
+            dist.all_reduce(st.g_hist, group=group)
+
+
+# --- entry points ------------------------------------------------------------------------------------------------
+def collect(model: torch.nn.Module, tokens: Tensor, position_ids: Optional[Tensor] = None,
+            attention_mask: Optional[Tensor] = None, keep_attn_map: bool = False) -> list[LayerDiagnostics]:  # fmt: skip
+    """Run one no-grad eval forward of `tokens` [b, s] through `model` (one pipeline stage holding the embedding)
+    and return this rank's layers' diagnostics; the model's train/eval mode is restored afterwards."""
+    if position_ids is None:
+        position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), Probe(model, keep_attn_map=keep_attn_map) as probe:
+            model(tokens, position_ids, attention_mask)
+        return probe.results()
+    finally:
+        model.train(was_training)
+
+
+def _mean(values: list[float]) -> float:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def to_scalars(diags: list[LayerDiagnostics], prefix: str = "diag") -> dict[str, float]:
+    """TensorBoard tags -> values: per layer (`diag/layer_03/f_attn`, ...) and model-level summaries.
+
+    Model level: f_attn and gate_score are averages over layers (the paper's F-Attn / gate score columns);
+    m_act and max_logit are maxima over layers (the paper's M-Act is the largest activation).
+    """
+    out: dict[str, float] = {}
+    for d in diags:
+        tag = f"{prefix}/layer_{d.layer:02d}"
+        out[f"{tag}/f_attn"] = d.f_attn
+        out[f"{tag}/m_act"] = d.m_act
+        out[f"{tag}/max_logit"] = d.max_logit
+        if d.gate_score_mean is not None:
+            out[f"{tag}/gate_score"] = d.gate_score_mean
+            out[f"{tag}/gate_sparsity"] = d.gate_sparsity
+    if diags:
+        out[f"{prefix}/f_attn"] = _mean([d.f_attn for d in diags])
+        out[f"{prefix}/m_act"] = max(d.m_act for d in diags)
+        out[f"{prefix}/max_logit"] = max(d.max_logit for d in diags)
+        gated = [d for d in diags if d.gate_score_mean is not None]
+        if gated:
+            out[f"{prefix}/gate_score"] = _mean([d.gate_score_mean for d in gated])
+            out[f"{prefix}/gate_sparsity"] = _mean([d.gate_sparsity for d in gated])
+    return out
+
+
+def log_to_tensorboard(writer: Any, step: int, diags: list[LayerDiagnostics], prefix: str = "diag") -> None:
+    """Scalars of `to_scalars` plus one gate-score histogram per gated layer (fixed [0, 1] bins when bounded)."""
+    for tag, value in to_scalars(diags, prefix).items():
+        writer.add_scalar(tag, value, step)
+    for d in diags:
+        if d.gate_hist_counts is None:
+            continue
+        counts = d.gate_hist_counts
+        edges = d.gate_hist_edges
+        total = sum(counts)
+        if total <= 0:
+            continue
+        # add_histogram_raw takes the bin right edges and counts; sum/sum_squares from the bin centres
+        centres = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:])]
+        writer.add_histogram_raw(
+            f"{prefix}/layer_{d.layer:02d}/gate_scores",
+            min=d.gate_min, max=d.gate_max, num=total,
+            sum=sum(c * x for c, x in zip(counts, centres)),
+            sum_squares=sum(c * x * x for c, x in zip(counts, centres)),
+            bucket_limits=edges[1:], bucket_counts=counts, global_step=step,
+        )  # fmt: skip
+
+
+def records(step: int, diags: list[LayerDiagnostics]) -> list[dict[str, Any]]:
+    """runfiles.DIAGNOSTICS lines for one probe."""
+    return [d.record(step) for d in diags]
