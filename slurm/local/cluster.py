@@ -237,18 +237,29 @@ class LocalCluster:
         return False
 
     def _job_processes(self) -> list[int]:
-        # slurmstepd daemonizes away from slurmd; it and the job's tasks carry our SLURM_CONF in their environment,
-        # which names this cluster and no other.
+        # slurmstepd daemonizes away from slurmd, so it is found by what it carries: our SLURM_CONF (this cluster and
+        # no other) and either the slurmstepd name or a SLURM_JOB_ID (a job's task). Never this process or its
+        # ancestors (a shell that exported SLURM_CONF to run `cluster.py stop`).
         needle = f"SLURM_CONF={self.conf}".encode() + b"\0"
+        protected = set()
+        pid = os.getpid()
+        while pid > 1:
+            protected.add(pid)
+            try:
+                pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                break
         found = []
         for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            if not entry.name.isdigit() or int(entry.name) in protected:
                 continue
             try:
-                if needle in (entry / "environ").read_bytes() + b"\0":
-                    found.append(int(entry.name))
+                environ = (entry / "environ").read_bytes() + b"\0"
+                comm = (entry / "comm").read_text().strip()
             except OSError:
                 continue
+            if needle in environ and (comm.startswith("slurmstepd") or b"\0SLURM_JOB_ID=" in b"\0" + environ):
+                found.append(int(entry.name))
         return found
 
     def stop(self, grace: float = 10) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, STAND_IN
+from slurm_harness import REPO, STAND_IN
 
 pytestmark = pytest.mark.slurm
 
