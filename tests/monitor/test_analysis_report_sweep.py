@@ -1,0 +1,180 @@
+"""Offline analysis, run reports and sweeps: real tiny models, real run files, real subprocesses and scripts."""
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiny_train
+from megagate.errors import ConfigError, MegagateError
+from megagate.monitor import analyze, diagnostics, report, runfiles, sweep
+from megagate.monitor.events import EventLog
+from megagate.monitor.spike import SpikeMonitor
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path: Path) -> None:
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == PNG_MAGIC, path
+    assert matplotlib.image.imread(str(path)).shape[0] > 100
+    assert not list(path.parent.glob(".*.png")), "temporary files left behind"
+
+
+# --- analyze -----------------------------------------------------------------------------------------------------
+def test_analyze_model_table_and_plots(megatron_world, tmp_path):
+    model = tiny_train.build("g1-elementwise", seed=0)
+    tokens = tiny_train.batch_at(0, 2, 32)[:, :-1]
+    table = analyze.analyze_model(model, tokens, tmp_path)
+    diags = diagnostics.collect(model, tokens)
+    lines = table.splitlines()
+    assert lines[0].split() == ["layer", "gate_score", "sparsity(<0.1)", "F-Attn", "M-Act", "max_logit"]
+    row1 = lines[3].split()
+    assert row1[0] == "1" and float(row1[3]) == pytest.approx(diags[1].f_attn, abs=5e-4)
+    assert float(row1[1]) == pytest.approx(diags[1].gate_score_mean, abs=5e-4)
+    assert lines[-1].split()[0] == "all"
+    assert float(lines[-1].split()[3]) == pytest.approx((diags[0].f_attn + diags[1].f_attn) / 2, abs=5e-4)
+    for name in ("first_token_attention", "gate_scores", "max_activation", "attention_map"):
+        assert_png(tmp_path / f"{name}.png")
+
+
+def test_analyze_command_waits_for_trainer_checkpoints(tmp_path):
+    parser = argparse.ArgumentParser()
+    analyze.add_arguments(parser)
+    args = parser.parse_args([str(tmp_path), "--out", str(tmp_path / "a")])
+    with pytest.raises(MegagateError, match="trainer checkpoints are not available yet"):
+        analyze.run(args)
+    with pytest.raises(MegagateError, match="no such file"):
+        analyze.run(parser.parse_args([str(tmp_path), "--text", str(tmp_path / "missing.txt")]))
+    assert analyze.text_batch(list(range(10)), 4, 3).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+# --- report over real run directories ---------------------------------------------------------------------------
+def write_run(run_dir: Path, lr: float, preset: str, seed: int, steps: int = 60, fault_step: int | None = None) -> None:
+    """A run directory in the trainer's schema, from a real tiny training run with the monitor in warn mode."""
+    from megagate.monitor.faults import Fault, FaultInjector
+
+    run_dir.mkdir(parents=True)
+    runfiles.write_atomic(run_dir / runfiles.CONFIG,
+                          f"seed: {seed}\ntrain:\n  lr: {lr}\nmodel:\n  gate:\n    preset: {preset}\n")  # fmt: skip
+    faults = FaultInjector([Fault(fault_step, "scale_loss", 10.0)]) if fault_step else None
+    res = tiny_train.train(steps, lr=lr, preset=preset, seed=seed, monitor=SpikeMonitor(), faults=faults)
+    for step, (loss, gn) in enumerate(zip(res.losses, res.grad_norms), start=1):
+        runfiles.write_metrics(run_dir, step, "train", loss=loss, lr=lr, grad_norm=gn, tokens_per_s=1000.0)
+    runfiles.write_metrics(run_dir, steps, "valid", loss=res.losses[-1], ppl=math.exp(res.losses[-1]))
+    EventLog(run_dir / runfiles.EVENTS).write(res.events)
+    for rec in diagnostics.records(steps, diagnostics.collect(res.model, tiny_train.batch_at(999, 2, 32)[:, :-1])):
+        runfiles.append_jsonl(run_dir / runfiles.DIAGNOSTICS, rec)
+    runfiles.write_summary(run_dir, steps, res.losses[-1], res.losses[-1],
+                           runfiles.is_diverged(res.losses[0], res.losses[-1]))  # fmt: skip
+
+
+def test_report_aggregates_real_runs(megatron_world, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    write_run(sweep_dir / "g1_lr0.003", 3e-3, "g1-elementwise", 0, fault_step=45)
+    write_run(sweep_dir / "base_lr0.003", 3e-3, "baseline", 0)
+    # a diverged run: NaN loss from step 5, no summary (it crashed)
+    bad = sweep_dir / "base_lr1"
+    bad.mkdir()
+    runfiles.write_atomic(bad / runfiles.CONFIG, "seed: 0\ntrain: {lr: 1.0}\nmodel: {gate: {preset: baseline}}\n")
+    for step in range(1, 8):
+        runfiles.write_metrics(bad, step, "train", loss=6.0 if step < 5 else math.nan, lr=1.0, grad_norm=1.0,
+                               tokens_per_s=1.0)  # fmt: skip
+    text = report.report([sweep_dir], tmp_path / "out")
+    rows = {line.split()[0]: line.split() for line in text.splitlines()[2:]}
+    assert set(rows) == {"g1_lr0.003", "base_lr0.003", "base_lr1"}
+    g1 = report.load_run(sweep_dir / "g1_lr0.003")
+    assert g1.num_spikes == 1 and g1.spike_steps == [45] and g1.variant == "g1-elementwise" and g1.lr == 0.003
+    assert g1.gate_score is not None and 0 < g1.gate_score < 1 and not g1.diverged
+    diag = runfiles.read_jsonl(sweep_dir / "g1_lr0.003" / runfiles.DIAGNOSTICS)
+    assert g1.f_attn == pytest.approx(sum(d["f_attn"] for d in diag) / 2)
+    assert g1.m_act == max(d["m_act"] for d in diag)
+    summary = runfiles.read_json(sweep_dir / "g1_lr0.003" / runfiles.SUMMARY)
+    assert rows["g1_lr0.003"][5] == f"{summary['final_loss']:.4g}" and rows["g1_lr0.003"][7] == "1"
+    assert rows["base_lr0.003"][11] == "-"  # no gate score for the baseline
+    assert rows["base_lr1"][8] == "yes" and report.load_run(bad).diverged
+    for name in ("loss_curves", "final_loss_vs_lr"):
+        assert_png(tmp_path / "out" / f"{name}.png")
+    assert (tmp_path / "out" / "report.txt").read_text().strip() == text
+    with pytest.raises(MegagateError, match="neither a run directory"):
+        report.report([tmp_path / "out"])
+
+
+def test_runfiles_roundtrip_nonfinite_and_torn_line(tmp_path):
+    path = tmp_path / "m.jsonl"
+    runfiles.append_jsonl(path, {"step": 1, "loss": math.inf, "x": [math.nan]})
+    with open(path, "a") as f:
+        f.write('{"step": 2, "lo')  # a writer killed mid-line
+    (rec,) = runfiles.read_jsonl(path)
+    assert rec["loss"] == math.inf and math.isnan(rec["x"][0])
+    assert json.loads(path.read_text().splitlines()[0])["loss"] == "inf"
+    assert runfiles.is_diverged(6.0, 7.0) and not runfiles.is_diverged(6.0, 2.0) and runfiles.is_diverged(6.0, 2.0, aborted=True)
+
+
+# --- sweep -------------------------------------------------------------------------------------------------------
+def test_expand_grid():
+    specs = sweep.expand_grid(["train.steps=10", "train.lr=9"], [1e-3, 4e-3], ["baseline", "g1-elementwise"], [0, 1],
+                              out_dir="runs/s")  # fmt: skip
+    assert len(specs) == 8
+    assert specs[0].name == "baseline_lr0.001_s0" and specs[0].run_dir == "runs/s/baseline_lr0.001_s0"
+    assert specs[0].overrides == ("train.steps=10", "train.lr=0.001", "model.gate.preset=baseline", "seed=0")
+    assert specs[-1].argv("c.yaml") == ["--config", "c.yaml", "train.steps=10", "train.lr=0.004",
+                                        "model.gate.preset=g1-elementwise", "seed=1",
+                                        "output.dir=runs/s/g1-elementwise_lr0.004_s1"]  # fmt: skip
+    with pytest.raises(ConfigError, match="sweep variant 'g9' is not a gate preset"):
+        sweep.expand_grid([], [1e-3], ["g9"], [0])
+    with pytest.raises(ConfigError, match="duplicate point"):
+        sweep.expand_grid([], [1e-3, 1e-3], ["baseline"], [0])
+    with pytest.raises(ConfigError, match="sweep learning rate -1"):
+        sweep.expand_grid([], [-1], ["baseline"], [0])
+
+
+STAND_IN_TRAINER = textwrap.dedent('''
+    """Stands in for `megagate train` until the trainer exists: parses the argv contract, writes run files."""
+    import math, sys
+    from megagate.monitor import runfiles
+    args = sys.argv[1:]
+    assert args[0] == "--config"
+    kv = dict(a.split("=", 1) for a in args[2:])
+    out, lr, seed = kv["output.dir"], float(kv["train.lr"]), int(kv["seed"])
+    runfiles.write_atomic(out + "/config.yaml", f"seed: {seed}\\ntrain: {{lr: {lr}}}\\nmodel: {{gate: {{preset: {kv['model.gate.preset']}}}}}\\n")
+    loss = 2.0 + lr * 100 + seed * 0.01
+    for step in range(1, 4):
+        runfiles.write_metrics(out, step, "train", loss=loss + 3 - step, lr=lr, grad_norm=1.0, tokens_per_s=1.0)
+    diverged = lr > 0.05
+    runfiles.write_summary(out, 3, math.nan if diverged else loss, None, diverged)
+    sys.exit(3 if diverged else 0)
+''')
+
+
+def test_run_local_and_report(tmp_path):
+    script = tmp_path / "train_stand_in.py"
+    script.write_text(STAND_IN_TRAINER)
+    specs = sweep.expand_grid([], [1e-3, 0.1], ["baseline", "g1-elementwise"], [0], out_dir=str(tmp_path / "runs"))
+    results = sweep.run_local(specs, "base.yaml", command=[sys.executable, str(script)])
+    assert results == {"baseline_lr0.001_s0": 0, "baseline_lr0.1_s0": 3, "g1-elementwise_lr0.001_s0": 0,
+                       "g1-elementwise_lr0.1_s0": 3}  # fmt: skip
+    loaded = {r.name: r for r in map(report.load_run, report.find_runs([tmp_path / "runs"]))}
+    assert loaded["baseline_lr0.001_s0"].final_loss == pytest.approx(2.1) and loaded["baseline_lr0.1_s0"].diverged
+    report.report([tmp_path / "runs"], tmp_path / "rep")
+    assert_png(tmp_path / "rep" / "final_loss_vs_lr.png")
+
+
+def test_slurm_array_script(tmp_path):
+    from megagate.slurm import SlurmRequest
+
+    specs = sweep.expand_grid([], [1e-3, 8e-3], ["baseline", "g1-elementwise"], [0], out_dir="runs/s")
+    script = sweep.slurm_array(specs, "cfg.yaml", SlurmRequest(nodes=1, gpus_per_node=8, job_name="sw"))
+    assert "#SBATCH --array=0-3" in script
+    assert "-m megagate train --config cfg.yaml" in script
+    assert "3) SWEEP_ARGS=(train.lr=0.008 model.gate.preset=g1-elementwise seed=0 output.dir=runs/s/g1-elementwise_lr0.008_s0)" in script
+    path = tmp_path / "sweep.sbatch"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
