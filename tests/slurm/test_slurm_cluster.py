@@ -223,3 +223,24 @@ def test_invalid_layout_is_not_submitted(slurm, tmp_path: Path, monkeypatch, cap
         assert captured.out == ""
     assert list(tmp_path.iterdir()) == []  # no script, no log folder
     assert slurm.job_ids() == before  # the controller never saw a job
+
+
+@pytest.mark.slow
+def test_sbatch_signal_timer(slurm, tmp_path: Path) -> None:
+    """The real `#SBATCH --signal=B:USR1@50` of a 1-minute job: warned, checkpointed, requeued, finished.
+
+    slurmctld checks the timer about every 30 s, so the warning lands 10-40 s into an attempt.
+    """
+    steps = 50
+    req = slurm.request("timer", time="1", signal_lead_s=50, progress_file=str(tmp_path / "ckpt.json"))
+    job = slurm.submit(req, tmp_path, [f"out={tmp_path}", f"steps={steps}", "step_time=0.5"])
+    info = slurm.wait(job, timeout=240)
+    log = slurm.log(tmp_path, req, job)
+    assert info["JobState"] == "COMPLETED", log
+    assert int(info["Restarts"]) >= 1 and "caught SIGUSR1" in log
+    got = records(tmp_path)
+    attempts = sorted({a for a, _ in got})
+    assert attempts == list(range(int(info["Restarts"]) + 1))
+    for a in attempts[:-1]:  # every attempt but the last was cut short by the timer and checkpointed
+        assert got[(a, 0)]["signalled"] and got[(a + 1, 0)]["start_step"] == got[(a, 0)]["end_step"]
+    assert {got[(attempts[-1], r)]["weight"] for r in range(4)} == {expected_weight(steps)}
