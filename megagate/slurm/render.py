@@ -143,6 +143,10 @@ def _step_command(request: SlurmRequest, train_argv: Sequence[str], launcher: st
     """The srun line (without the trailing '&') and the signal the shell forwards to it."""
     srun = ["srun", "--kill-on-bad-exit=1", *_container_flags(request)]
     argv = " ".join(_q(a) for a in train_argv) + ' "${SWEEP_ARGS[@]}"'
+    if request.cpus_per_task:
+        # Since Slurm 22.05 srun no longer inherits the job's --cpus-per-task: repeat it on the step.
+        per_task = request.cpus_per_task * (request.ranks_per_node if launcher == "torchrun" else 1)
+        srun.append(f"--cpus-per-task={per_task}")
     if launcher == "srun":
         # One task per rank; megagate.launch reads SLURM_PROCID/SLURM_LOCALID/... in each.
         srun += [f"--ntasks-per-node={request.ranks_per_node}"]

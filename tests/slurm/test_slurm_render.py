@@ -178,7 +178,7 @@ def test_torchrun_variant(tmp_path: Path) -> None:
     assert "#SBATCH --ntasks-per-node=1" in script
     assert "#SBATCH --cpus-per-task=32" in script  # the node's torchrun gets the CPUs of its 8 ranks
     assert "source /opt/venv/bin/activate" in script
-    assert ('srun --kill-on-bad-exit=1 --ntasks-per-node=1 python -m torch.distributed.run '
+    assert ('srun --kill-on-bad-exit=1 --cpus-per-task=32 --ntasks-per-node=1 python -m torch.distributed.run '
             '--nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=8 --rdzv-backend=c10d '
             '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 '
             '-m megagate train --config c.yaml') in script
