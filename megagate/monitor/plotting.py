@@ -26,6 +26,7 @@ def save(fig: Any, path: str | os.PathLike) -> Path:
     os.close(fd)
     try:
         fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; plots are meant to be shared
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
