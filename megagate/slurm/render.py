@@ -189,12 +189,14 @@ trap on_warning USR1
 failure_reason() {
     # How the step failed, as srun reports it, without node and task numbers. srun's report order is racy (the
     # peers of a dead rank fail too, and the culprit may still be exiting when --kill-on-bad-exit terminates it),
-    # so the most specific reason wins: a signal (Killed, Aborted, ...) > an exit code other than 1 > exit code 1
-    # > Terminated.
+    # so the most specific reason wins: an exit code other than 1 > a signal (Segmentation fault, Aborted, Out Of
+    # Memory, ...) > Killed > exit code 1 > Terminated. (Slurm ends the rest of a failed step with TERM, then KILL
+    # after KillWait: Terminated and Killed are often collateral; exit code 1 is what peers of a dead rank report.)
     local reason
     reason=$(awk '/^srun: error: [^:]+: tasks? [0-9,-]+: / {
             r = $0; sub(/^srun: error: [^:]+: tasks? [0-9,-]+: /, "", r)
-            s = (r ~ /^Terminated/) ? 0 : (r == "Exited with exit code 1") ? 1 : (r ~ /^Exited with exit code/) ? 2 : 3
+            s = (r ~ /^Terminated/) ? 0 : (r == "Exited with exit code 1") ? 1 : (r ~ /^Killed/) ? 2 \
+                : (r ~ /^Exited with exit code/) ? 4 : 3
             if (!seen || s > best) { best = s; reason = r; seen = 1 }
         } END { print reason }' "$STEP_ERR" 2>/dev/null)
     echo "${reason:-step exit code $1}"
@@ -231,7 +233,12 @@ if (( rc == 0 && ! signalled )); then
     exit 0
 fi
 
-if (( signalled && (rc == 0 || SIGNAL_EXIT_OK) )); then
+if (( signalled )) && [[ $rc -ne 0 && $SIGNAL_EXIT_OK -eq 0 && "$(failure_reason "$rc")" == "User defined signal 1" ]]; then
+    # The warning reached ranks that had not installed their handler yet (it can come right at the start of a
+    # short job): nothing was lost that a restart does not redo, so this is not a failure of the training.
+    reason="the warning signal arrived before the ranks could handle it (step exit code $rc)"
+    printf '%s\t%s\t%s\t%s\n' "$RESTARTS" 0 "signalled" "exit code $rc: killed by the warning" >> "$FAILURES"
+elif (( signalled && (rc == 0 || SIGNAL_EXIT_OK) )); then
     # torchrun re-raises the forwarded TERM after its workers exit, so its step never ends with 0 here.
     reason="checkpointed and exited after the warning signal (step exit code $rc)"
     printf '%s\t%s\t%s\t%s\n' "$RESTARTS" 0 "signalled" "exit code $rc after the warning" >> "$FAILURES"

@@ -1,6 +1,7 @@
 """A stand-in for `megagate train` in the Slurm tests: real gloo ranks, a step counter checkpoint, the signal protocol.
 
-    python stand_in.py --config CFG out=DIR [steps=N] [step_time=S] [kill_rank=R kill_step=K] [fail_rank=R fail_step=K]
+    python stand_in.py --config CFG out=DIR [steps=N] [step_time=S] [step_time_restarted=S]
+                       [kill_rank=R kill_step=K] [fail_rank=R fail_step=K]
 
 Every step all-reduces (rank + 1 + step) and adds the sum to a running "weight", so the final weight is a
 checksum of exactly which steps ran: a replayed or skipped step after a restart changes it. Rank 0 checkpoints
@@ -19,17 +20,22 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from megagate.launch import init_process_group
-
 stop_requested = False
 
 
 def _on_signal(signum: int, frame: object) -> None:
     global stop_requested
     stop_requested = True
+
+
+# First thing, before the slow imports: a warning that arrives during start-up must not kill the rank.
+signal.signal(signal.SIGUSR1, _on_signal)
+signal.signal(signal.SIGTERM, _on_signal)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megagate.launch import init_process_group  # noqa: E402
 
 
 def _atomic_json(path: Path, data: dict) -> None:
@@ -39,13 +45,13 @@ def _atomic_json(path: Path, data: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    signal.signal(signal.SIGUSR1, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
     opts = dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith("--"))
     out = Path(opts["out"])
     steps = int(opts.get("steps", "10"))
     step_time = float(opts.get("step_time", "0.1"))
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    if restart:
+        step_time = float(opts.get("step_time_restarted", step_time))
 
     env = init_process_group("gloo")
     rank = env.rank

@@ -252,6 +252,11 @@ def test_cli_refuses_bad_layout_in_one_line(tmp_path: Path, monkeypatch, capsys)
          "Exited with exit code 3", "Exited with exit code 3"),
         (["node1: tasks 0-1: Terminated", "node2: task 2: Killed", "node2: task 3: Exited with exit code 1"], None,
          "Killed", "Killed"),
+        # A slow peer SIGKILLed by Slurm after KillWait is collateral; the culprit's exit code 7 names the failure.
+        (["node2: task 3: Exited with exit code 7", "node1: task 1: Terminated", "node1: task 0: Killed"], None,
+         "Exited with exit code 7", "Exited with exit code 7"),
+        (["node1: task 0: Segmentation fault", "node2: tasks 2-3: Killed", "node1: task 1: Exited with exit code 1"],
+         None, "Segmentation fault", "Segmentation fault"),
         # With a progress file the key is the checkpoint, whatever srun reported first.
         (["node1: task 0: Exited with exit code 1", "node2: tasks 2-3: Terminated"], '{"step": 7}\n',
          "Exited with exit code 1", 'no progress past checkpoint {"step": 7}'),
