@@ -46,8 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_optional_dependency_notices() -> None:
+    # megatron and torch announce, at import, every optional accelerator library that is absent (TE, apex, CUDA);
+    # that is expected on CPU machines and says nothing about the run.
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (is|are) not installed.*")
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run a sub-command; user errors print one line and exit 2."""
+    _quiet_optional_dependency_notices()
     _load_optional_commands()
     argv = list(sys.argv[1:] if argv is None else argv)
     # Only import the chosen command's module (torch imports are slow), unless help is asked for.

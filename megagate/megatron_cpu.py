@@ -269,6 +269,47 @@ def install(force: bool = False) -> bool:
     return True
 
 
+_torch_adam_fixed = False
+
+
+def fix_torch_adam_checkpoint_load() -> None:
+    """Let DistributedOptimizer load checkpoints when it runs torch's Adam (no Transformer Engine, no apex).
+
+    torch's Adam keeps a per-parameter `step` tensor; megatron restores the step from the saved param groups but,
+    in `_set_main_param_and_optimizer_states`, also expects every tensor of the live state (`step` included) in the
+    saved per-parameter tensors, which hold only param / exp_avg / exp_avg_sq. Marking `step` as absent there lets
+    megatron skip it. Applies on GPU machines without TE/apex too; a no-op when they are installed.
+    """
+    global _torch_adam_fixed
+    distrib_optimizer = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    if _torch_adam_fixed or getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+        return
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+
+    def set_states(self: Any, model_param: Any, tensors: dict) -> None:
+        if "step" not in tensors:
+            tensors = {**tensors, "step": None}  # non-tensor entries are skipped by megatron
+        original(self, model_param, tensors)
+
+    cls._set_main_param_and_optimizer_states = set_states
+    _torch_adam_fixed = True
+
+
+def unshare_adam_steps(optimizer: Any) -> None:
+    """After a checkpoint load: give each parameter its own Adam `step` tensor.
+
+    megatron's DistributedOptimizer (torch-Adam path) assigns one step tensor object to every parameter's state;
+    torch's Adam increments each parameter's step in place, so a shared tensor would advance once per parameter
+    per update and corrupt the bias correction after a resume.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
 def is_active() -> bool:
     """True once `install()` has adapted megatron-core for the CPU."""
     return _installed

@@ -114,7 +114,7 @@ def _schedule_losses(model, config, microbatches, pp: int) -> list[float]:
 
         def loss_func(per_token_loss):
             loss = per_token_loss.float().mean()
-            return loss, {"lm loss": loss.detach()}
+            return loss, {"lm loss": loss.detach().clone()}
 
         return output, loss_func
 

@@ -1,0 +1,1 @@
+"""The trainer: config, loop, checkpoints, metrics, stop conditions (`megagate train`)."""

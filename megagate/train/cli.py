@@ -1,0 +1,68 @@
+"""`megagate train --config FILE.yaml [key=value ...] [--dry-run]`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from megagate.train import config as config_mod
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="YAML training config")
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides (values parsed as YAML)")
+    parser.add_argument("--dry-run", action="store_true", help="validate and print the plan; do not train")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="world size to plan for with --dry-run (default: from the launcher environment, else 1)")
+
+
+def describe(cfg: config_mod.TrainConfig, world_size: int) -> str:
+    """The resolved model, parallel layout and batch arithmetic, as printed by --dry-run."""
+    from megagate import models
+
+    layout = config_mod.layout(cfg, world_size)
+    m, t = cfg.model, cfg.train
+    counts = models.parameter_counts(m)
+    flops = models.flops_per_token(m, t.seq_length)
+    lines = [
+        f"model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}/{m.num_query_groups} "
+        f"x {m.head_dim}, FFN {m.effective_ffn_hidden_size}"
+        + (f", MoE {m.num_experts} experts top-{m.moe_router_topk} (FFN {m.moe_ffn_hidden_size})" if m.is_moe else ""),
+        f"gate: {m.gate.describe()}",
+        f"parameters: {counts['total']:,} total, {counts['active']:,} active, {counts['gate']:,} in gates",
+        f"FLOPs per token (training): {flops:,.0f}",
+        f"parallel: world {world_size} = TP {layout.tp} x PP {layout.pp} x CP {layout.cp} x DP {layout.dp}; "
+        f"EP {layout.ep}; VPP {cfg.parallel.virtual_pipeline_model_parallel_size or 1}; "
+        f"sequence parallel {cfg.parallel.sequence_parallel}",
+        f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x DP {layout.dp} x "
+        f"{layout.num_microbatches} micro-batches; {t.global_batch_size * t.seq_length:,} tokens/step; "
+        f"{t.train_steps} steps = {t.train_steps * t.global_batch_size * t.seq_length:,} tokens",
+        f"precision {t.precision}; lr {t.lr} ({t.lr_schedule}, warmup {t.warmup_steps}, min {t.min_lr}); "
+        f"clip {t.clip_grad}; weight decay {t.weight_decay}",
+        f"output: {cfg.output.dir}; checkpoints: {cfg.checkpoint_dir}",
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(args.config, args.overrides)
+    if args.dry_run:
+        world = args.world_size or int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+        print(describe(cfg, world))
+        return 0
+    import torch
+
+    from megagate import launch
+    from megagate.train.loop import train
+
+    env = launch.init_process_group()
+    config_mod.layout(cfg, env.world_size)  # refuse a bad layout before building anything
+    try:
+        train(cfg, env.world_size)
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0

@@ -1,0 +1,100 @@
+"""What the run reports: TensorBoard scalars, metrics.jsonl (megagate.monitor.runfiles schema), a console line.
+
+Only the logging rank (last pipeline stage, first tensor/data-parallel rank) writes; values it logs are global
+(losses averaged over data-parallel ranks, the gradient norm after the reduction).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+
+from megagate.monitor import runfiles
+
+
+def peak_tflops_per_gpu() -> Optional[float]:
+    """Dense bf16 peak of the local GPU (for MFU), when known."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, peak in (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("B200", 2250.0), ("L40", 181.0)):
+        if key in name:
+            return peak
+    return None
+
+
+class Metrics:
+    """TensorBoard + JSONL + console progress for one run (no-ops on non-logging ranks)."""
+
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool, total_steps: int, tokens_per_step: int,
+                 flops_per_token: float, world_size: int) -> None:  # fmt: skip
+        self.run_dir, self.enabled = run_dir, enabled
+        self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
+        self.flops_per_token, self.world_size = flops_per_token, world_size
+        self.writer = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=f"{run_dir}/tensorboard")
+        self.peak = peak_tflops_per_gpu()
+        self._start = time.perf_counter()
+        self._first_step: Optional[int] = None
+
+    def train_step(self, step: int, loss: float, lr: float, grad_norm: float, step_time: float,
+                   extra: Optional[dict[str, float]] = None) -> None:  # fmt: skip
+        if not self.enabled:
+            return
+        if self._first_step is None:
+            self._first_step, self._start = step, time.perf_counter() - step_time
+        tokens_per_s = self.tokens_per_step / step_time if step_time > 0 else 0.0
+        tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
+        values: dict[str, float] = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                                    "step_time": step_time, "tflops_per_gpu": tflops}  # fmt: skip
+        if self.peak:
+            values["mfu"] = tflops / self.peak
+        if torch.cuda.is_available():
+            values["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        values.update(extra or {})
+        runfiles.write_metrics(self.run_dir, step, "train", **{k: v for k, v in values.items()})
+        if self.writer is not None:
+            for key, value in values.items():
+                self.writer.add_scalar(f"train/{key}", value, step)
+        done = step - self._first_step + 1
+        elapsed = time.perf_counter() - self._start
+        eta = elapsed / done * (self.total_steps - step)
+        print(f"step {step:>6d}/{self.total_steps} | loss {loss:8.4f} | lr {lr:.3e} | grad {grad_norm:7.3f} | "
+              f"{tokens_per_s:9.0f} tok/s | {step_time * 1000:7.1f} ms/step | ETA {_duration(eta)}", flush=True)  # fmt: skip
+
+    def validation(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        ppl = math.exp(min(loss, 50.0))
+        runfiles.write_metrics(self.run_dir, step, "valid", loss=loss, ppl=ppl)
+        if self.writer is not None:
+            self.writer.add_scalar("valid/loss", loss, step)
+            self.writer.add_scalar("valid/ppl", ppl, step)
+        print(f"validation at step {step}: loss {loss:.4f} | perplexity {ppl:.2f}", flush=True)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is not None:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def log(message: str, *, file: Any = sys.stdout) -> None:
+    """Print once per job (global rank 0)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(message, file=file, flush=True)

@@ -1,0 +1,50 @@
+"""Stop conditions: SIGTERM / SIGUSR1 (Slurm's warning, preemption) and a wall-time limit.
+
+Handlers only set a flag; the loop asks `should_stop()` once per step, which agrees across all ranks (a MAX
+all-reduce), so every rank checkpoints and exits at the same step.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Optional
+
+import torch
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopConditions:
+    def __init__(self, wall_time_limit: Optional[float], install_handlers: bool = True) -> None:
+        self.deadline = None if wall_time_limit is None else time.monotonic() + wall_time_limit
+        self.received: Optional[int] = None
+        self.reason: Optional[str] = None
+        self._previous = {}
+        if install_handlers:
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handler)
+
+    def _handler(self, signum: int, frame: object) -> None:
+        self.received = signum
+
+    def should_stop(self, step_time: float = 0.0) -> bool:
+        """True on every rank if any rank got a stop signal or would pass the wall-time limit within a step."""
+        local = 0
+        if self.received is not None:
+            local = 2
+        elif self.deadline is not None and time.monotonic() + 2 * step_time >= self.deadline:
+            local = 1
+        flag = torch.tensor([local], dtype=torch.int32)
+        if torch.distributed.is_initialized():
+            if torch.cuda.is_available():
+                flag = flag.cuda()
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        value = int(flag.item())
+        if value:
+            self.reason = "signal" if value == 2 else "wall-time limit"
+        return bool(value)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
