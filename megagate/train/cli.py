@@ -44,6 +44,14 @@ def describe(cfg: config_mod.TrainConfig, world_size: int) -> str:
     return "\n".join(lines)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config, args.overrides)
     if args.dry_run:
@@ -55,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     from megagate import launch
     from megagate.train.loop import train
 
+    if not any(v in os.environ for v in ("RANK", "SLURM_PROCID", "MASTER_PORT")):
+        os.environ["MASTER_PORT"] = str(_free_port())  # a single process: any free port, not a fixed one
     env = launch.init_process_group()
     config_mod.layout(cfg, env.world_size)  # refuse a bad layout before building anything
     try:

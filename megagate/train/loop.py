@@ -245,17 +245,26 @@ def run_schedule(run: Run, microbatches: list[dict], forward_only: bool) -> floa
     return _global_loss(results)
 
 
-def train_step(run: Run, microbatches: list[dict]) -> tuple[float, float, bool]:
-    """One optimizer step; returns (loss, grad norm, whether the update was applied)."""
+def train_step(run: Run, microbatches: list[dict], monitor: Any, step: int) -> tuple[float, float, float, Optional[str]]:
+    """One optimizer step; returns (loss, grad norm, LR of the update, the monitor's action or None if applied)."""
     for chunk in run.ddp:
         chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
     loss = run_schedule(run, microbatches, forward_only=False)
-    applied, grad_norm, _ = run.optimizer.step()
-    grad_norm = float("nan") if grad_norm is None else float(grad_norm)
+    monitor.after_backward(run, step)
+    # The monitor decides before anything is applied: gradients are reduced and their global norm is known.
+    run.scheduler.step(increment=0)  # this update's LR from the schedule (a previous step may have scaled it)
+    run.optimizer.prepare_grads()
+    grad_norm = float(run.optimizer.get_grad_norm())
+    action = monitor.decide(run, step, loss, grad_norm)
+    lr = float(run.optimizer.param_groups[0]["lr"])
+    if action in ("skip", "rollback", "abort"):
+        return loss, grad_norm, lr, action
+    applied, _, _ = run.optimizer.step()  # prepares the same gradients again, clips and updates
     if applied:
         run.scheduler.step(increment=run.cfg.train.global_batch_size)
-    return loss, grad_norm, bool(applied)
+        return loss, grad_norm, lr, None
+    return loss, grad_norm, lr, "skip"
 
 
 def evaluate(run: Run) -> float:
@@ -336,26 +345,44 @@ def is_logging_rank() -> bool:
     )
 
 
-def train(cfg: TrainConfig, world_size: int, hooks: Optional[list] = None) -> dict:
+def rollback(run: Run, checkpointer: ckpt.Checkpointer, monitor: Any, event_step: int) -> None:
+    """Restore the last good checkpoint after a spike; the monitor drops the offending data window."""
+    from megagate.monitor.spike import SpikeAbort
+
+    path = ckpt.latest(checkpointer.root)
+    if path is None:
+        raise SpikeAbort(f"spike at step {event_step} asks for a rollback, but {checkpointer.root} has no checkpoint")
+    restore_step = int(ckpt.read_meta(path)["step"])
+    plan = monitor.spike.rollback_plan(event_step, restore_step)
+    meta = checkpointer.load(path, run.model, run.optimizer, same_layout=True)
+    run.scheduler.load_state_dict(meta["scheduler"])
+    run.step, run.consumed_samples = restore_step, int(meta["consumed_samples"])
+    monitor.spike.restore_after_rollback(meta["x_monitor"], plan, event_step)
+    log(f"rollback: spike at step {event_step}; restored step {restore_step} from {path}; "
+        f"dropping batches {plan.skip_first}-{plan.skip_last}")
+
+
+def train(cfg: TrainConfig, world_size: int) -> dict:
     """Train to cfg.train.train_steps (or until a stop condition); returns the run summary."""
     from megagate.monitor import runfiles
+    from megagate.monitor.spike import SpikeAbort
+    from megagate.train.monitoring import MonitorHook
 
     run = setup(cfg, world_size)
     t = cfg.train
+    gbs = t.global_batch_size
     checkpointer = ckpt.Checkpointer(cfg.checkpoint_dir, cfg.checkpoint.keep_last, cfg.checkpoint.optimizer_format)
     resume(run, checkpointer)
     logging_rank = is_logging_rank()
     if logging_rank:
         os.makedirs(cfg.output.dir, exist_ok=True)
         runfiles.write_atomic(os.path.join(cfg.output.dir, "config.yaml"), _yaml(cfg.raw))
-    tokens_per_step = t.global_batch_size * t.seq_length
-    metrics = Metrics(cfg.output.dir, logging_rank, cfg.logging.tensorboard, t.train_steps, tokens_per_step,
+    metrics = Metrics(cfg.output.dir, logging_rank, cfg.logging.tensorboard, t.train_steps, gbs * t.seq_length,
                       models.flops_per_token(cfg.model, t.seq_length), world_size)  # fmt: skip
+    monitor = MonitorHook(cfg.monitor, cfg.output.dir, logging_rank)
+    monitor.start(run, metrics)
     stop = StopConditions(t.wall_time_limit)
-    hooks = list(hooks or [])
-    for hook in hooks:
-        hook.start(run, metrics)
-    data = loader(cfg, run.train_data, run.consumed_samples) if run.step < t.train_steps else None
+    data, data_position = None, None
     first_loss = last_loss = valid_loss = None
     step_time, stopped, start_step = 0.0, None, run.step
     try:
@@ -367,28 +394,42 @@ def train(cfg: TrainConfig, world_size: int, hooks: Optional[list] = None) -> di
                 stopped = f"exit_after_steps={t.exit_after_steps}"
                 break
             start = time.perf_counter()
-            microbatches = [next(data) for _ in range(run.layout.num_microbatches)]
-            for hook in hooks:
-                microbatches = hook.before_step(run, microbatches)
-            loss, grad_norm, applied = train_step(run, microbatches)
-            run.step += 1
-            run.consumed_samples += t.global_batch_size
+            step = run.step + 1
+            wanted = (monitor.batch_index(step) - 1) * gbs  # rollbacks skip windows of data
+            if data is None or wanted != data_position:
+                data = loader(cfg, run.train_data, wanted)
+            run.consumed_samples = wanted
+            microbatches = monitor.before_step(run, step, [next(data) for _ in range(run.layout.num_microbatches)])
+            data_position = wanted + gbs
+            loss, grad_norm, lr, action = train_step(run, microbatches, monitor, step)
+            if action == "rollback":
+                rollback(run, checkpointer, monitor, step)
+                data = None
+                continue
+            run.step, run.consumed_samples = step, wanted + gbs
             step_time = time.perf_counter() - start
             first_loss = loss if first_loss is None else first_loss
             last_loss = loss
-            for hook in hooks:
-                hook.after_step(run, loss, grad_norm, applied)
+            if action == "abort":
+                run.extra_state = monitor.state()
+                save(run, checkpointer)
+                if logging_rank:
+                    runfiles.write_summary(cfg.output.dir, run.step, loss, None, True, aborted=True)
+                raise SpikeAbort(f"training aborted by the spike monitor at step {step} (loss {loss:.4g}, "
+                                 f"grad norm {grad_norm:.4g}); checkpoint saved in {checkpointer.root}")  # fmt: skip
             if run.step % cfg.logging.interval == 0 or run.step == t.train_steps:
-                metrics.train_step(run.step, loss, run.scheduler.get_lr(run.optimizer.param_groups[0])
-                                   if hasattr(run.scheduler, "get_lr") else t.lr, grad_norm, step_time)  # fmt: skip
+                metrics.train_step(run.step, loss, lr, grad_norm, step_time, {"skipped": float(action == "skip")})
+            monitor.after_step(run, run.step)
             if t.eval_interval and run.step % t.eval_interval == 0 and run.step < t.train_steps:
                 valid_loss = evaluate(run)
                 metrics.validation(run.step, valid_loss)
             if cfg.checkpoint.interval and run.step % cfg.checkpoint.interval == 0 and run.step < t.train_steps:
+                run.extra_state = monitor.state()
                 save(run, checkpointer)
         if stopped is None and run.step >= t.train_steps:
             valid_loss = evaluate(run)
             metrics.validation(run.step, valid_loss)
+        run.extra_state = monitor.state()
         save(run, checkpointer)
     finally:
         stop.restore()
@@ -396,7 +437,8 @@ def train(cfg: TrainConfig, world_size: int, hooks: Optional[list] = None) -> di
     summary = {"steps": run.step, "final_loss": last_loss, "final_valid_loss": valid_loss, "stopped": stopped}
     if logging_rank and stopped is None:
         runfiles.write_summary(cfg.output.dir, run.step, last_loss if last_loss is not None else float("nan"),
-                               valid_loss, runfiles.is_diverged(first_loss, last_loss))  # fmt: skip
+                               valid_loss, runfiles.is_diverged(first_loss, last_loss),
+                               spikes=monitor.spike.num_events if monitor.spike else 0)  # fmt: skip
     if stopped:
         log(f"stopped at step {run.step} ({stopped}); checkpoint saved, resume by running the same command")
     return summary
