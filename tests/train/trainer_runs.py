@@ -1,0 +1,53 @@
+"""Helpers for trainer tests: launch `megagate train` (one process or torchrun), read metrics and checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "examples" / "tiny_cpu.yaml"
+BASE = ["train.seq_length=64", "train.global_batch_size=8", "train.micro_batch_size=2", "train.train_steps=12",
+        "train.warmup_steps=2", "train.eval_interval=0", "train.eval_iters=1", "logging.interval=1",
+        "checkpoint.interval=0", "logging.tensorboard=false"]  # fmt: skip
+
+
+def run_train(out: Path, demo_dir: Path, *overrides: str, nproc: int = 1, check: bool = True,
+              timeout: int = 600) -> subprocess.CompletedProcess:  # fmt: skip
+    """Run the trainer on the tiny config; nproc > 1 uses torchrun (standalone, gloo)."""
+    args = ["--config", str(CONFIG), *BASE, f"data.demo_dir={demo_dir}", f"output.dir={out}", *overrides]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "megagate", "train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "megagate", "train", *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> train loss from metrics.jsonl."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["split"] == "train":
+            out[record["step"]] = record["loss"]
+    return out
+
+
+def checkpoint_tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a dist_checkpointing checkpoint (full, unsharded), read in this process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = tmp / f"{path.name}.pt"
+    dcp_to_torch_save(str(path), str(target))
+    state = torch.load(target, weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and not k.startswith("optimizer")}
