@@ -140,8 +140,8 @@ def build_datasets(
         adapter = _tokenizer_adapter(tokenizer)
         prefixes, weights = parse_blend(blend)
         prefixes = [os.path.abspath(strip_suffix(p)) for p in prefixes]
-        for p in prefixes:
-            validate(p)  # a damaged file fails here with its name, not deep inside megatron
+        # a damaged file fails here with its name, not deep inside megatron
+        infos = {p: validate(p) for p in prefixes}
         blend_cfg, cls = (prefixes, weights), GPTDataset
     if cache_dir is not None:
         os.makedirs(cache_dir, exist_ok=True)
@@ -158,9 +158,28 @@ def build_datasets(
         create_attention_mask=False,  # causal kernels build their own mask
         mmap_bin_files=True,
     )
+    if not mock:
+        _check_split_sizes(infos, config.split_matrix, split)
     builder = BlendedMegatronDatasetBuilder(cls, list(num_samples), lambda: True, config)
     train, valid, test = builder.build()
     return train, valid, test
+
+
+def _check_split_sizes(infos: dict, split_matrix, split: str) -> None:
+    """Refuse splits that get no tokens: megatron's epoch count loops forever on an empty split."""
+    names = ("train", "valid", "test")
+    for prefix, info in infos.items():
+        n = info["sequences"]
+        lengths = info["lengths"]
+        for i, bounds in enumerate(split_matrix):
+            if bounds is None:
+                continue
+            beg, end = int(round(bounds[0] * n)), int(round(bounds[1] * n))
+            if int(lengths[beg:end].sum()) == 0:
+                raise ConfigError(
+                    f"split {split!r} gives the {names[i]} split no documents of {prefix} ({n} documents); "
+                    f"use more data or a split with weight 0 for {names[i]}"
+                )
 
 
 def _check_split(split: str) -> None:
