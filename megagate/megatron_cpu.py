@@ -9,8 +9,9 @@ else:
   to the CPU and whose `torch.cuda` answers `current_device()` with the CPU device and keeps RNG state on the CPU
   generator. Other modules, and the real `torch` module, are untouched;
 * `tensor_parallel.random`'s two RNG-state helpers are replaced by CPU equivalents;
-* megatron's mixed-precision optimizers classify parameters by CUDA type names in their constructors; there, CPU
-  tensors report the CUDA name of their dtype;
+* megatron's mixed-precision optimizers classify parameters by CUDA type names in their constructors, and the
+  tied-embedding set-up of pipeline stages calls `.cuda()`; inside those methods only, CPU tensors report the CUDA
+  name of their dtype and `.cuda()` leaves them on the CPU;
 * torch.compile (megatron's `jit_fuser`) is disabled: fusions only, compiling them on the CPU costs seconds;
 * `moe_utils.te_general_gemm`, only defined when Transformer Engine imports, is set to None so megatron takes its
   non-TE branch.
@@ -187,31 +188,36 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bo
 
 @contextlib.contextmanager
 def _cpu_tensors_report_cuda_types() -> Any:
-    """While active, `tensor.type()` names CPU tensors as their CUDA types ('torch.cuda.FloatTensor', ...)."""
-    original = torch.Tensor.type
+    """While active, CPU tensors pass for CUDA tensors: `tensor.type()` gives the CUDA type name of their dtype
+    ('torch.cuda.FloatTensor', ...) and `tensor.cuda()` leaves them where they are."""
+    original_type, original_cuda = torch.Tensor.type, torch.Tensor.cuda
 
     def cuda_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
         if dtype is None and not kwargs and self.device.type == "cpu":
-            return original(self).replace("torch.", "torch.cuda.", 1)
-        return original(self, dtype, non_blocking, **kwargs)
+            return original_type(self).replace("torch.", "torch.cuda.", 1)
+        return original_type(self, dtype, non_blocking, **kwargs)
 
-    torch.Tensor.type = cuda_type
+    def stay_on_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self
+
+    torch.Tensor.type, torch.Tensor.cuda = cuda_type, stay_on_cpu
     try:
         yield
     finally:
-        torch.Tensor.type = original
+        torch.Tensor.type, torch.Tensor.cuda = original_type, original_cuda
 
 
-def _with_cuda_type_names(cls: type) -> None:
+def _with_cuda_type_names(cls: type, method: str = "__init__") -> None:
     # megatron's mixed-precision optimizers sort parameters by `param.type() == 'torch.cuda.FloatTensor'` etc.
-    # in their constructors; the CPU tensors are the same dtypes, so answer with the CUDA names there only.
-    init = cls.__init__
+    # in their constructors, and the tied-embedding set-up moves a weight with `.cuda()`; the CPU tensors are the
+    # same dtypes, so inside those methods only, they pass for CUDA tensors.
+    original = getattr(cls, method)
 
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
         with _cpu_tensors_report_cuda_types():
-            init(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
 
-    cls.__init__ = __init__
+    setattr(cls, method, wrapped)
 
 
 def _call_with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -258,6 +264,8 @@ def install(force: bool = False) -> bool:
     distrib_optimizer = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
     _with_cuda_type_names(optimizer.Float16OptimizerWithFloat16Params)
     _with_cuda_type_names(distrib_optimizer.DistributedOptimizer)
+    language_module = importlib.import_module("megatron.core.models.common.language_module.language_module")
+    _with_cuda_type_names(language_module.LanguageModule, "setup_embeddings_and_output_layer")
     clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
     clip = _call_with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)  # asserts fp32 grads by CUDA name
     for module in (clip_grads, optimizer):
