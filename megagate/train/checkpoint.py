@@ -107,9 +107,9 @@ def _model_state(model_chunks: list, is_loading: bool = False) -> dict:
 def _sharded_state(model_chunks: list, optimizer: Any, optimizer_format: str, is_loading: bool) -> dict:
     state = _model_state(model_chunks, is_loading)
     if optimizer is not None:
-        model_sd = {}
-        for key, value in state.items():
-            model_sd.update(value)
+        # the chunks' dicts stay separate (their keys repeat, with different layer offsets); megatron finds the
+        # parameters in the nested dict
+        model_sd = dict(state)
         metadata = {"distrib_optim_sharding_type": optimizer_format}
         if not torch.cuda.is_available():
             # without CUDA, gather the fully-reshardable optimizer state over gloo onto DP rank 0

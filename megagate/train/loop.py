@@ -429,8 +429,10 @@ def train(cfg: TrainConfig, world_size: int) -> dict:
         if stopped is None and run.step >= t.train_steps:
             valid_loss = evaluate(run)
             metrics.validation(run.step, valid_loss)
-        run.extra_state = monitor.state()
-        save(run, checkpointer)
+        if run.step > start_step or not ckpt.latest(checkpointer.root):
+            run.extra_state = monitor.state()
+            if run.step > 0:  # an optimizer that never stepped has no state to save
+                save(run, checkpointer)
     finally:
         stop.restore()
         metrics.close()
