@@ -1,0 +1,296 @@
+"""The spike monitor's actions, fault injection and live diagnostics through the real trainer (`megagate train`).
+
+Each injected fault must be detected at exactly its step and the configured action carried out on real weights:
+
+    skip        nan_grad at step 12        the update is dropped: weights after 12 == weights after 11
+    rollback    loss x 10 at step 17       step 15's checkpoint is restored, batch 17 dropped, the run completes
+    lr_backoff  loss x 10 at step 14       LR x 0.5 for steps 14..18, the schedule's LR before and after
+    abort       loss x 10 at step 12       exit 2, one error line, checkpoint of step 12, summary diverged
+
+plus a clean 200-step run without any event at the default thresholds, diagnostics every 5 steps (JSONL and
+TensorBoard) and `megagate analyze` on a trained checkpoint.
+
+The 30-step runs share one trainer configuration; they differ only in `monitor.spike.action`, the fault and the
+checkpoint interval, so each is compared with the clean run step by step. To pay megatron's import time once,
+they run one after the other inside a single child process (`python THIS_FILE JOBS.json` calls
+`megagate.cli.main(["train", ...])` for each); the abort run is a separate `python -m megagate train` process
+(exit code and stderr are what it tests) started at the same time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+# The module's runs take ~40 s of CPU (about 1 minute on 2 idle cores, 2+ minutes on a loaded machine).
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "examples" / "tiny_cpu.yaml"
+STEPS = 30
+K_SKIP, K_ROLLBACK, K_BACKOFF, K_ABORT = 12, 17, 14, 12
+BACKOFF_FACTOR, BACKOFF_STEPS = 0.5, 5
+DIAG_INTERVAL = 5
+BASE = [f"train.train_steps={STEPS}", "train.seq_length=64", "train.micro_batch_size=8", "train.global_batch_size=8",
+        "train.warmup_steps=3", "train.eval_interval=0", "train.eval_iters=1", "logging.interval=1"]  # fmt: skip
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def monitor(action: str, faults: list[dict] | None = None, **spike: Any) -> str:
+    """A `monitor=` override: the shared spike settings (min_history 8) + action, diagnostics every 5, faults."""
+    section = {"spike": {"min_history": 8, "action": action, **spike}, "diagnostics": {"interval": DIAG_INTERVAL},
+               "faults": faults or []}  # fmt: skip
+    return "monitor=" + json.dumps(section)  # JSON is YAML
+
+
+def train_args(out: Path, demo_dir: Path, *overrides: str) -> list[str]:
+    return ["--config", str(CONFIG), *BASE, f"data.demo_dir={demo_dir}", f"output.dir={out}", *overrides]
+
+
+SCENARIOS: dict[str, list[str]] = {
+    "clean": [monitor("warn"), "checkpoint.interval=5"],
+    "skip": [monitor("skip", [{"step": K_SKIP, "kind": "nan_grad"}]), "checkpoint.interval=1",
+             "checkpoint.keep_last=100"],  # fmt: skip
+    "rollback": [monitor("rollback", [{"step": K_ROLLBACK, "kind": "scale_loss", "factor": 10}]),
+                 "checkpoint.interval=5", "checkpoint.keep_last=100"],  # fmt: skip
+    "lr_backoff": [monitor("lr_backoff", [{"step": K_BACKOFF, "kind": "scale_loss", "factor": 10}],
+                           lr_backoff_factor=BACKOFF_FACTOR, lr_backoff_steps=BACKOFF_STEPS)],  # fmt: skip
+    # the default monitor (spike: warn at the default thresholds), 200 steps of seq 64 x batch 8
+    "clean200": ["train.train_steps=200", "logging.tensorboard=false"],
+}
+
+
+# --- running -------------------------------------------------------------------------------------------------------
+def _child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run_jobs_in_this_process(spec: Path) -> None:
+    """Child-process entry: run each job of `spec` with megagate.cli.main, console output to its log file."""
+    from megagate import cli
+
+    for job in json.loads(spec.read_text()):
+        for var in DIST_VARS:  # each run is a fresh single-process job (the CLI picks a free port)
+            os.environ.pop(var, None)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        start = time.perf_counter()
+        with open(job["log"], "w") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            try:
+                rc = cli.main(["train", *job["argv"]])
+            except BaseException:  # noqa: BLE001 - recorded for the test to report
+                import traceback
+
+                traceback.print_exc()
+                rc = 99
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+        Path(job["rc"]).write_text(str(rc))
+        print(f"{Path(job['log']).stem}: rc {rc}, {time.perf_counter() - start:.1f} s", flush=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, session_demo_dir: Path) -> dict[str, Any]:
+    """Run dirs of the 30-step scenarios (+ 'abort': the CompletedProcess-like result of the abort run)."""
+    base = tmp_path_factory.mktemp("monitor-actions")
+    jobs = [{"argv": train_args(base / name, session_demo_dir, *extra), "log": str(base / f"{name}.log"),
+             "rc": str(base / f"{name}.rc")} for name, extra in SCENARIOS.items()]  # fmt: skip
+    spec = base / "jobs.json"
+    spec.write_text(json.dumps(jobs))
+    abort_args = train_args(base / "abort", session_demo_dir, "logging.tensorboard=false",
+                            monitor("abort", [{"step": K_ABORT, "kind": "scale_loss", "factor": 10}]))  # fmt: skip
+    start = time.perf_counter()
+    batch = subprocess.Popen([sys.executable, __file__, str(spec)], cwd=ROOT, env=_child_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    abort = subprocess.run([sys.executable, "-m", "megagate", "train", *abort_args], cwd=ROOT, env=_child_env(),
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    batch_out, _ = batch.communicate(timeout=600)
+    elapsed = time.perf_counter() - start
+    result: dict[str, Any] = {"abort": abort, "abort_dir": base / "abort", "seconds": elapsed}
+    for name in SCENARIOS:
+        rc_file = base / f"{name}.rc"
+        log = (base / f"{name}.log").read_text() if (base / f"{name}.log").exists() else ""
+        rc = rc_file.read_text() if rc_file.exists() else f"missing (exit {batch.returncode}):\n{batch_out[-3000:]}"
+        assert rc == "0", f"scenario {name} failed: rc {rc}\n{log[-4000:]}"
+        result[name] = base / name
+        result[f"{name}_log"] = log
+    return result
+
+
+# --- reading run files ---------------------------------------------------------------------------------------------
+def train_records(run_dir: Path) -> dict[int, dict]:
+    """step -> the last train record of that step in metrics.jsonl (a rollback replays steps)."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["split"] == "train":
+            out[record["step"]] = record
+    return out
+
+
+def all_train_steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if r["split"] == "train"]  # fmt: skip
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def checkpoint_tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a dist_checkpointing checkpoint (model and optimizer state), read with torch DCP."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = tmp / f"{path.parent.parent.name}-{path.name}.pt"
+    dcp_to_torch_save(str(path), str(target))
+    state = torch.load(target, weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def model_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if not k.startswith("optimizer")}
+
+
+# --- the actions ---------------------------------------------------------------------------------------------------
+def test_clean_reference_has_no_events_and_learns(runs: dict) -> None:
+    clean = train_records(runs["clean"])
+    assert sorted(clean) == list(range(1, STEPS + 1))
+    assert events(runs["clean"]) == []  # min_history 8 does not turn the falling loss into events
+    assert clean[STEPS]["loss"] < clean[1]["loss"] - 0.5
+    assert summary(runs["clean"])["diverged"] is False
+
+
+def test_skip_nan_grad_keeps_weights_bit_identical(runs: dict, tmp_path: Path) -> None:
+    run = runs["skip"]
+    evs = events(run)
+    assert {(e["step"], e["action"]) for e in evs} == {(K_SKIP, "skip")}
+    assert any(e["metric"] == "grad_norm" and e["reason"] == "non-finite" for e in evs)
+    records, clean = train_records(run), train_records(runs["clean"])
+    assert records[K_SKIP]["skipped"] == 1.0 and all(r["skipped"] == 0.0 for s, r in records.items() if s != K_SKIP)
+    assert str(records[K_SKIP]["grad_norm"]).lower() == "nan"  # non-finite values are strings in the JSONL
+    # identical to the clean run until the skipped step, different after it
+    assert [records[s]["loss"] for s in range(1, K_SKIP + 1)] == [clean[s]["loss"] for s in range(1, K_SKIP + 1)]
+    assert records[K_SKIP + 1]["loss"] != clean[K_SKIP + 1]["loss"]
+    ckpts = run / "checkpoints"
+    before, at, after = (checkpoint_tensors(ckpts / f"iter_{s:07d}", tmp_path)
+                         for s in (K_SKIP - 1, K_SKIP, K_SKIP + 1))  # fmt: skip
+    assert before.keys() == at.keys() and len(model_tensors(at)) >= 9
+    for key in at:  # model weights and Adam moments: nothing applied at the skipped step
+        assert torch.equal(before[key], at[key]), key
+    changed = [k for k in model_tensors(at) if not torch.equal(at[k], after[k])]
+    assert len(changed) == len(model_tensors(at))  # the next step updates every weight again
+    assert summary(run) == {**summary(run), "steps": STEPS, "diverged": False}
+
+
+def test_rollback_restores_checkpoint_and_drops_the_batch(runs: dict) -> None:
+    run, log = runs["rollback"], runs["rollback_log"]
+    evs = events(run)
+    assert {(e["step"], e["action"]) for e in evs} == {(K_ROLLBACK, "rollback")}
+    assert any(e["metric"] == "loss" and e["value"] > 5 * e["baseline"] for e in evs)
+    restore = K_ROLLBACK // 5 * 5
+    assert f"rollback: spike at step {K_ROLLBACK}; restored step {restore} from" in log
+    assert f"dropping batches {K_ROLLBACK}-{K_ROLLBACK}" in log
+    # steps restore+1 .. K-1 were trained twice (before the spike and after the restore), K only once
+    steps = all_train_steps(run)
+    assert steps == list(range(1, K_ROLLBACK)) + list(range(restore + 1, STEPS + 1))
+    s = summary(run)
+    assert s["steps"] == STEPS and s["diverged"] is False and s["spikes"] == 1
+    records, clean = train_records(run), train_records(runs["clean"])
+    # the replay after the restore is bit-identical to the clean run up to the spike step (same batches, RNG) ...
+    assert [records[i]["loss"] for i in range(1, K_ROLLBACK)] == [clean[i]["loss"] for i in range(1, K_ROLLBACK)]
+    # ... and differs from the spike step on: step K trains on batch K+1
+    assert all(records[i]["loss"] != clean[i]["loss"] for i in range(K_ROLLBACK, STEPS + 1))
+    assert (run / "checkpoints" / f"iter_{STEPS:07d}").is_dir()
+
+
+def test_lr_backoff_scales_the_lr_of_the_following_steps(runs: dict) -> None:
+    run = runs["lr_backoff"]
+    assert [(e["step"], e["action"]) for e in events(run)] == [(K_BACKOFF, "lr_backoff")]
+    records, clean = train_records(run), train_records(runs["clean"])
+    ratios = {s: records[s]["lr"] / clean[s]["lr"] for s in range(2, STEPS + 1)}  # step 1's LR is 0 (warmup)
+    backoff = range(K_BACKOFF, K_BACKOFF + BACKOFF_STEPS)
+    for step, ratio in ratios.items():
+        assert ratio == pytest.approx(BACKOFF_FACTOR if step in backoff else 1.0, rel=1e-12), step
+    assert [records[s]["loss"] for s in range(1, K_BACKOFF + 1)] == [clean[s]["loss"] for s in range(1, K_BACKOFF + 1)]
+    assert records[K_BACKOFF + 1]["loss"] != clean[K_BACKOFF + 1]["loss"]
+    assert summary(run)["steps"] == STEPS and summary(run)["diverged"] is False
+
+
+def test_abort_exits_with_one_line_and_a_checkpoint(runs: dict) -> None:
+    proc, run = runs["abort"], runs["abort_dir"]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("megagate train: error:")]
+    assert len(errors) == 1 and f"aborted by the spike monitor at step {K_ABORT}" in errors[0], proc.stderr[-3000:]
+    assert [(e["step"], e["action"]) for e in events(run)] == [(K_ABORT, "abort")]
+    from megagate.train import checkpoint
+
+    latest = checkpoint.latest(run / "checkpoints")
+    assert latest is not None and latest.name == f"iter_{K_ABORT:07d}"
+    assert checkpoint.read_meta(latest)["step"] == K_ABORT
+    s = summary(run)
+    assert s["diverged"] is True and s["steps"] == K_ABORT and s.get("aborted") is True
+    assert max(train_records(run)) < K_ABORT  # the aborted step is not logged as trained
+
+
+# --- diagnostics ---------------------------------------------------------------------------------------------------
+def test_live_diagnostics_jsonl_and_tensorboard(runs: dict) -> None:
+    run = runs["clean"]
+    records = [json.loads(line) for line in (run / "diagnostics.jsonl").read_text().splitlines()]
+    expected_steps = list(range(DIAG_INTERVAL, STEPS + 1, DIAG_INTERVAL))
+    assert sorted({(r["step"], r["layer"]) for r in records}) == [(s, l) for s in expected_steps for l in (0, 1)]
+    for r in records:
+        assert 0.0 < r["gate_score_mean"] < 1.0 and 0.0 <= r["gate_sparsity"] <= 1.0
+        assert 0.0 < r["f_attn"] < 1.0
+        assert r["m_act"] > 0 and math.isfinite(r["max_logit"])
+    # the probe batch is fixed, the model trains: the statistics move between probes
+    by_step = {s: [r for r in records if r["step"] == s and r["layer"] == 0][0] for s in expected_steps}
+    assert by_step[5]["m_act"] != by_step[STEPS]["m_act"]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("diag/f_attn", "diag/gate_score", "diag/m_act", "diag/max_logit", "diag/layer_01/f_attn"):
+        assert tag in tags, sorted(tags)
+        assert [e.step for e in acc.Scalars(tag)] == expected_steps
+    m_act = {e.step: e.value for e in acc.Scalars("diag/m_act")}
+    top = {s: max(r["m_act"] for r in records if r["step"] == s) for s in expected_steps}
+    assert m_act == pytest.approx(top, rel=1e-6)
+
+
+# --- clean long run ------------------------------------------------------------------------------------------------
+def test_clean_200_steps_raise_no_spike_event(runs: dict) -> None:
+    """200 tiny steps (seq 64, batch 8) at the default monitor settings: no event."""
+    run = runs["clean200"]
+    records = train_records(run)
+    assert sorted(records) == list(range(1, 201))
+    assert not (run / "events.jsonl").exists() or (run / "events.jsonl").read_text() == ""
+    assert summary(run)["spikes"] == 0 and summary(run)["diverged"] is False
+    assert records[200]["loss"] < records[1]["loss"] - 1.5  # it trained (7.6 -> ~5.x)
+
+
+if __name__ == "__main__":
+    run_jobs_in_this_process(Path(sys.argv[1]))
