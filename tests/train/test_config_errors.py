@@ -1,0 +1,66 @@
+"""Bad training configs: one line naming the value, a non-zero exit, no traceback, nothing trained."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megagate.cli import main
+from megagate.spec import transformer_engine_available
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "examples" / "tiny_cpu.yaml")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train.colour=red"], "train.colour is not a known key; allowed:"),
+        (["train.micro_batch_size=two"], "train.micro_batch_size='two' must be an integer"),
+        (["train.lr=[1]"], "train.lr=[1] must be a number"),
+        (["parallel.tensor_model_parallel_size=3"], "model.num_attention_heads (4) must be divisible by parallel.tensor_model_parallel_size (3)"),
+        (["train.global_batch_size=10", "--world-size", "2"], "train.global_batch_size (10) must be divisible by micro_batch_size (4) x data-parallel size (2) = 8"),
+        (["data.demo=false", "data.blend=[/nonexistent/corpus]", "data.tokenizer=t.json"], "data.blend: missing data file '/nonexistent/corpus.bin'"),
+        (["parallel.tensor_model_parallel_size=2", "--world-size", "3"], "world size 3 is not divisible by TP (2) x PP (1) x CP (1) = 2"),
+        (["model.gate.position=g5", "model.gate.granularity=headwise"], "gate.granularity='headwise' is invalid with gate.position='g5'"),
+        (["parallel.expert_model_parallel_size=2"], "needs an MoE model"),
+        (["colours.x=1"], "colours is not a config section"),
+    ],
+)
+def test_bad_config_is_one_line(capsys, args, message):
+    assert main(["train", "--config", CONFIG, "--dry-run", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.skipif(transformer_engine_available(), reason="Transformer Engine is installed")
+def test_fp8_without_te_refused(capsys):
+    assert main(["train", "--config", CONFIG, "--dry-run", "train.precision=fp8"]) == 2
+    assert "train.precision='fp8' needs Transformer Engine" in capsys.readouterr().err
+
+
+def test_real_process_exit_code_and_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megagate", "train", "--config", CONFIG, "train.seq_length=100000",
+                           f"output.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    assert "train.seq_length (100000) exceeds model.max_sequence_length (128)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_missing_config_file(capsys):
+    assert main(["train", "--config", "/nonexistent.yaml"]) == 2
+    assert "config file '/nonexistent.yaml' does not exist" in capsys.readouterr().err
+
+
+def test_dry_run_prints_the_plan(capsys):
+    assert main(["train", "--config", CONFIG, "--dry-run", "model.preset=15a2b-moe", "model.vocab_size=151936",
+                 "train.seq_length=4096", "model.max_sequence_length=4096", "parallel.expert_model_parallel_size=8",
+                 "train.global_batch_size=1024", "train.micro_batch_size=1", "--world-size", "64"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "MoE 128 experts top-8" in out
+    assert "world 64 = TP 1 x PP 1 x CP 1 x DP 64; EP 8" in out
+    assert "global 1024 = micro 1 x DP 64 x 16 micro-batches" in out
+    assert "15,778,553,856 total" in out
