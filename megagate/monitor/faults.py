@@ -3,7 +3,7 @@
 The trainer calls the hooks at fixed points of its step (all are no-ops on other steps and when no fault is set):
 
     tokens = faults.batch(step, tokens)            # after fetching the batch
-    loss = faults.loss(step, loss)                 # on the loss before backward (scales the gradient too)
+    loss = faults.loss(step, loss)                 # on the reported loss the monitor sees (gradients unchanged)
     faults.grads(step, model.parameters())         # after backward, before the grad norm / optimizer step
     lr = lr * faults.lr_scale(step)                # when setting the LR of this step's update
 

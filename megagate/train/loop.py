@@ -267,6 +267,24 @@ def train_step(run: Run, microbatches: list[dict], monitor: Any, step: int) -> t
     return loss, grad_norm, lr, "skip"
 
 
+MOE_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                  "global_aux_loss": "global_load_balancing_loss"}  # fmt: skip
+
+
+def moe_metrics(run: Run, step: int) -> dict[str, float]:
+    """This step's MoE load-balancing and z-loss (averaged over layers and micro-batches); a collective call."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    model = run.cfg.model
+    names = [MOE_LOSS_NAMES[model.moe_load_balancing]] + (["z_loss"] if model.moe_z_loss_coeff else [])
+    totals: dict[str, Any] = {}
+    get_moe_metrics_tracker().report(
+        loss_scale=1.0 / run.layout.num_microbatches, iteration=step, track_names=names, force_initialize=True,
+        num_layers=model.num_layers, moe_layer_freq=1, total_loss_dict=totals,
+    )  # fmt: skip
+    return {f"moe_{name}": float(value) for name, value in totals.items()}
+
+
 def evaluate(run: Run) -> float:
     """Mean validation loss over eval_iters global batches (the same batches every time)."""
     data = loader(run.cfg, run.valid_data, 0)
@@ -410,6 +428,11 @@ def train(cfg: TrainConfig, world_size: int) -> dict:
             step_time = time.perf_counter() - start
             first_loss = loss if first_loss is None else first_loss
             last_loss = loss
+            extra = {"skipped": float(action == "skip")}
+            if cfg.model.is_moe:
+                extra.update(moe_metrics(run, run.step))
+            if run.step % cfg.logging.interval == 0 or run.step == t.train_steps or action == "abort":
+                metrics.train_step(run.step, loss, lr, grad_norm, step_time, extra)
             if action == "abort":
                 run.extra_state = monitor.state()
                 save(run, checkpointer)
@@ -417,8 +440,6 @@ def train(cfg: TrainConfig, world_size: int) -> dict:
                     runfiles.write_summary(cfg.output.dir, run.step, loss, None, True, aborted=True)
                 raise SpikeAbort(f"training aborted by the spike monitor at step {step} (loss {loss:.4g}, "
                                  f"grad norm {grad_norm:.4g}); checkpoint saved in {checkpointer.root}")  # fmt: skip
-            if run.step % cfg.logging.interval == 0 or run.step == t.train_steps:
-                metrics.train_step(run.step, loss, lr, grad_norm, step_time, {"skipped": float(action == "skip")})
             monitor.after_step(run, run.step)
             if t.eval_interval and run.step % t.eval_interval == 0 and run.step < t.train_steps:
                 valid_loss = evaluate(run)
