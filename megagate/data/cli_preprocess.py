@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -26,16 +27,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress line")
 
 
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def run(args: argparse.Namespace) -> int:
     from megagate.data.preprocess import TokenizerSpec, preprocess
 
     spec = TokenizerSpec(args.tokenizer, args.engine, args.eod_token, None, args.tiktoken_pattern)
-    # SIGTERM (Slurm, kill) unwinds like Ctrl-C, so temporary files are removed.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    main_pid = os.getpid()
+
+    def on_sigterm(signum, frame) -> None:
+        # SIGTERM (Slurm, kill) unwinds like Ctrl-C in this process, so temporary files are removed; a forked
+        # worker that has not yet installed its own handler just exits.
+        if os.getpid() != main_pid:
+            os._exit(128 + signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         res = preprocess(
             args.input,
@@ -52,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt:
         raise MegagateError("interrupted; temporary files removed, no output written") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # callers running us in-process keep their own handling
     rate = res.total_tokens / max(res.seconds, 1e-9)
     print(f"engine {res.engine}: {res.documents:,} documents, {res.total_tokens:,} tokens in {res.seconds:.1f} s ({rate:,.0f} tokens/s, {res.text_bytes / max(res.seconds, 1e-9) / 1e6:.1f} MB/s)")
     if res.bad_lines:

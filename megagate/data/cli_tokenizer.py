@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     v.add_argument("tokenizer", help="tokenizer.json")
     v.add_argument("--input", "-i", nargs="*", default=[], help="also compare on these JSONL/text inputs")
     v.add_argument("--json-keys", nargs="+", default=["text"])
+    v.add_argument("--probe-step", type=int, default=1, help="probe every n-th code point (default 1: all)")
 
 
 def iter_texts(inputs: Sequence[str], keys: Sequence[str], text_mode: str = "file", stats: dict | None = None) -> Iterator[str]:
@@ -34,7 +35,8 @@ def iter_texts(inputs: Sequence[str], keys: Sequence[str], text_mode: str = "fil
         texts, bad, _ = parse_chunk(chunk, keys if chunk.kind == "jsonl" else keys[:1])
         if stats is not None:
             stats["bad"] = stats.get("bad", 0) + len(bad)
-            stats.setdefault("first_bad", [str(b) for b in bad[:1]])
+            if bad and "first_bad" not in stats:
+                stats["first_bad"] = str(bad[0])
         for per_key in zip(*texts):
             yield from per_key
 
@@ -56,7 +58,7 @@ def _train(args) -> int:
     texts = iter_texts(args.input, args.json_keys, args.text_mode, stats)
     path = train_bpe(texts, out, vocab_size=args.vocab_size, min_frequency=args.min_frequency, special_tokens=specials)
     if stats.get("bad"):
-        print(f"skipped {stats['bad']} bad records (first: {stats['first_bad'][0]})", file=sys.stderr)
+        print(f"skipped {stats['bad']} bad records (first: {stats['first_bad']})", file=sys.stderr)
     from megagate.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(path, engine="auto")
@@ -76,7 +78,7 @@ def _verify(args) -> int:
         raise ConfigError(f"{args.tokenizer}: the fast engine cannot express this vocabulary ({exc}); the hf engine will be used") from None
     except (OSError, ValueError) as exc:
         raise MegagateError(f"{args.tokenizer}: cannot read ({exc})") from None
-    bad = verify_vocabulary(args.tokenizer, fast)
+    bad = verify_vocabulary(args.tokenizer, fast, probe_step=max(1, args.probe_step))
     hf = HFTokenizer(args.tokenizer)
     n_docs = n_tok = 0
     if args.input:

@@ -180,7 +180,7 @@ class FastBPE:
         return self.rank_to_id[flat], lengths
 
 
-def verify_vocabulary(path: str | os.PathLike, fast: FastBPE | None = None) -> list[str]:
+def verify_vocabulary(path: str | os.PathLike, fast: FastBPE | None = None, probe_step: int = 1) -> list[str]:
     """Encode every vocabulary entry's text and unicode probes with both engines; return the mismatches."""
     from tokenizers import Tokenizer as _HF
 
@@ -192,7 +192,7 @@ def verify_vocabulary(path: str | os.PathLike, fast: FastBPE | None = None) -> l
             texts.append(_token_bytes(token).decode("utf-8"))
         except (UnsupportedVocabulary, UnicodeDecodeError):
             continue
-    texts += unicode_probes()
+    texts += unicode_probes(probe_step)
     mismatches = []
     for start in range(0, len(texts), 4096):
         chunk = texts[start : start + 4096]

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from megagate.data.indexed import IndexedWriter, token_dtype
-from megagate.data.readers import BadLine, Chunk, expand_inputs, input_kind, iter_chunks, parse_chunk
+from megagate.data.readers import TEXT_MODES, BadLine, Chunk, expand_inputs, input_kind, iter_chunks, parse_chunk
 from megagate.errors import ConfigError, MegagateError, require
 
 BAD_LINE_POLICIES = ("skip", "error")
@@ -123,7 +123,7 @@ def _work(chunk: Chunk) -> ChunkResult:
     if empty.any():
         idx = np.flatnonzero(empty)
         for i in idx:
-            bad.append(BadLine(chunk.file, chunk.line0, f"document #{int(i)} of this chunk has no tokens"))
+            bad.append(BadLine(chunk.file, chunk.line0, f"text #{int(i)} of the chunk starting here has no tokens"))
         keep = ~empty
         new = []
         for tokens, lengths in per_key:
@@ -180,9 +180,10 @@ def preprocess(
     for k in keys:
         require(bool(k) and "/" not in k, f"JSON key {k!r}: must be non-empty and contain no '/'")
     require(bad_lines in BAD_LINE_POLICIES, f"bad-line policy {bad_lines!r}: allowed values are {', '.join(BAD_LINE_POLICIES)}")
-    workers = os.cpu_count() or 1 if workers is None else workers
+    workers = (os.cpu_count() or 1) if workers is None else workers
     require(0 <= workers <= 1024, f"workers={workers}: must be between 0 and 1024")
     require(chunk_bytes >= 1024, f"chunk_bytes={chunk_bytes}: must be at least 1024")
+    require(text_mode in TEXT_MODES, f"text mode {text_mode!r}: allowed values are {', '.join(TEXT_MODES)}")
     files = expand_inputs(inputs)
     if len(keys) > 1:
         text_files = [str(f) for f in files if input_kind(f) == "text"]
@@ -241,6 +242,7 @@ def preprocess(
         if pool is not None:
             pool.terminate()
             pool.join()
+    prog.update(disk_done=total_disk)  # the reader reports its last position after the last result
     prog.close()
     result.seconds = prog.elapsed
     result.bad_by_reason = dict(reasons)

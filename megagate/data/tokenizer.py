@@ -177,9 +177,8 @@ class TiktokenFileTokenizer(Tokenizer):
         ranks = read_tiktoken_bpe(self.path)
         pat = TIKTOKEN_PATTERNS.get(pattern, pattern)
         n = max(ranks.values()) + 1
-        specials = {eod_token or EOD_TOKEN: n}
-        if pad_token or pattern is not None:
-            specials[pad_token or PAD_TOKEN] = n + 1
+        # tiktoken files carry no special tokens: end-of-document and padding follow the last rank
+        specials = {eod_token or EOD_TOKEN: n, pad_token or PAD_TOKEN: n + 1}
         try:
             self.enc = tiktoken.Encoding(name=Path(path).stem, pat_str=pat, mergeable_ranks=ranks, special_tokens=specials)
         except Exception as exc:

@@ -56,15 +56,16 @@ def _make_inputs(kind: str, docs: list[dict], d: Path) -> tuple[list[str], dict[
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "jsonl.gz", "text-folder", "multi-key"])
-def test_round_trip_through_indexed_and_gpt_dataset(kind, small_docs, small_tok, tmp_path):
-    docs = small_docs[:120]
+def test_round_trip_through_indexed_and_gpt_dataset(kind, small_docs, full_docs, small_tok, tmp_path):
+    docs = small_docs + full_docs[::25]  # licenses, docstrings and code of all sizes
+    assert len(docs) > 60
     inputs, expected, kw = _make_inputs(kind, docs, tmp_path)
     res = preprocess(inputs, str(tmp_path / "out"), small_tok, workers=2, progress=False, chunk_bytes=64 << 10, **kw)
     assert set(res.prefixes) == set(expected)
     for key, prefix in res.prefixes.items():
         assert prefix == str(tmp_path / f"out_{key}_document")
         assert _read_back(prefix, small_tok) == [t + EOD_TOKEN for t in expected[key]]  # every key finalized
-    _check_gpt_dataset(res.prefixes["text"], small_tok, expected["text"])
+    _check_gpt_dataset(res.prefixes["text"], small_tok, expected["text"], seq=256)
 
 
 def _check_gpt_dataset(prefix: str, tok_path: str, texts: list[str], seq: int = 64) -> None:
@@ -201,3 +202,13 @@ def test_interrupted_run_leaves_no_finished_files_and_rerun_completes(full_docs,
     from megagate.data.indexed import read_document
 
     assert [tok.decode(read_document(str(tmp_path / "out_text_document"), i)) for i in sample] == [full_docs[i]["text"] + EOD_TOKEN for i in sample]
+
+
+def test_progress_line_reports_rates_and_eta(small_docs, small_tok, tmp_path, capsys):
+    inp = write_jsonl(small_docs, tmp_path / "c.jsonl")
+    res = preprocess([inp], str(tmp_path / "o"), small_tok, workers=0, progress=True)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"[100.0%] {len(small_docs)} docs ")
+    for field in ("docs/s", "tok/s", "MB/s", "ETA 0:00:00", "elapsed"):
+        assert field in last
+    assert res.documents == len(small_docs) and res.total_tokens == validate(res.prefixes["text"])["tokens"]
