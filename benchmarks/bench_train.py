@@ -1,0 +1,175 @@
+"""Training step time of baseline vs gated attention, with the trainer's own components, in one process.
+
+    .venv/bin/python benchmarks/bench_train.py [--rounds 10] [--steps-per-round 5] [--warmup 3] [--models tiny larger]
+
+Every variant is built with `megagate.train.loop.setup` from examples/tiny_cpu.yaml (megatron GPTModel, DDP,
+DistributedOptimizer, demo data) and stepped with `loop.train_step`, exactly as `megagate train` does. Timing:
+  * warm-up steps per variant are run first and not timed (allocator, autograd graph caches, first-touch pages);
+  * then rounds: each round steps every variant `--steps-per-round` times, in an order rotated every round, so that a
+    machine that gets busier or quieter affects all variants alike;
+  * data loading is outside the timed region (batches are fetched before each step);
+  * reported: median step time, its interquartile range, tokens/s at the median, the ratio of medians
+    gated/baseline, and the paired ratio: the median (and min..max) over rounds of the ratio of that round's
+    median step times (robust to drift, since the variants of a round ran within seconds of each other).
+No assertions: this prints figures; docs/demo.md keeps the ones measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+CONFIG = str(REPO / "examples" / "tiny_cpu.yaml")
+MODELS = {
+    "tiny": [],  # the demo's model: 2 layers, hidden 64, 4/2 heads x 16
+    "larger": ["model.hidden_size=256", "model.num_attention_heads=8", "model.num_query_groups=4",
+               "model.head_dim=32", "model.ffn_hidden_size=768"],  # fmt: skip
+}
+
+
+def quantiles(values: list[float]) -> tuple[float, float, float]:
+    """(25th percentile, median, 75th percentile)."""
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[1], q[2]
+
+
+@contextlib.contextmanager
+def quiet_stdout():
+    """Silence file descriptor 1: gloo prints a line per process group from C++, ~30 per model built."""
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+def build(variant: str, model_overrides: list[str], out: str, data_dir: str):
+    """A trainer Run for one variant (parallel state re-initialised: megatron keeps one global set)."""
+    from megatron.core import parallel_state
+
+    from megagate.train import config as config_mod
+    from megagate.train import loop
+
+    overrides = [f"model.gate.preset={variant}", f"output.dir={out}/{variant}", f"data.demo_dir={data_dir}",
+                 "train.train_steps=100000", *model_overrides]  # fmt: skip
+    cfg = config_mod.load(CONFIG, overrides)
+    parallel_state.destroy_model_parallel()
+    with quiet_stdout():
+        run = loop.setup(cfg, 1)
+    return run, loop.loader(cfg, run.train_data, 0)
+
+
+class NoMonitor:
+    """The spike monitor's hooks as no-ops: the benchmark times the model, not the monitor's policy."""
+
+    def after_backward(self, run, step: int) -> None:
+        pass
+
+    def decide(self, run, step: int, loss: float, grad_norm: float) -> None:
+        return None
+
+
+def timed_step(run, data, step: int) -> float:
+    from megagate.train import loop
+
+    microbatches = [next(data) for _ in range(run.layout.num_microbatches)]
+    # loop.train_step gained the monitor arguments while this was written; accept either signature
+    extra = (NoMonitor(), step) if "monitor" in inspect.signature(loop.train_step).parameters else ()
+    start = time.perf_counter()
+    loop.train_step(run, microbatches, *extra)
+    return time.perf_counter() - start
+
+
+def bench_model(name: str, variants: list[str], args: argparse.Namespace, out: str) -> None:
+    from megagate import models
+
+    runs = {v: build(v, MODELS[name], out, args.data_dir) for v in variants}
+    first = runs[variants[0]][0].cfg
+    tokens_per_step = first.train.global_batch_size * first.train.seq_length
+    m = first.model
+    print(f"\n== {name}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}/"
+          f"{m.num_query_groups} x {m.head_dim}; {tokens_per_step} tokens/step "
+          f"({first.train.global_batch_size} x {first.train.seq_length}, "
+          f"micro-batch {first.train.micro_batch_size})")  # fmt: skip
+    steps = dict.fromkeys(variants, 0)
+
+    def step(v: str) -> float:
+        steps[v] += 1
+        return timed_step(*runs[v], steps[v])
+
+    for v in variants:
+        for _ in range(args.warmup):
+            step(v)
+    times: dict[str, list[list[float]]] = {v: [] for v in variants}  # per variant, per round
+    for r in range(args.rounds):
+        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        for v in order:
+            times[v].append([step(v) for _ in range(args.steps_per_round)])
+
+    base = variants[0]
+    base_median = statistics.median(t for rnd in times[base] for t in rnd)
+    header = (f"{'variant':16s} {'params':>10s} {'FFN':>5s} {'ms/step':>8s} {'IQR ms':>13s} {'tokens/s':>9s} "
+              f"{'ratio':>6s} {'paired ratio (min..max)':>23s}")  # fmt: skip
+    print(header + "\n" + "-" * len(header))
+    for v in variants:
+        cfg = runs[v][0].cfg
+        flat = [t for rnd in times[v] for t in rnd]
+        q1, med, q3 = quantiles(flat)
+        per_round = [statistics.median(a) / statistics.median(b) for a, b in zip(times[v], times[base])]
+        paired = "-" if v == base else (f"{statistics.median(per_round):.3f} "
+                                         f"({min(per_round):.2f}..{max(per_round):.2f})")  # fmt: skip
+        print(f"{v:16s} {models.parameter_counts(cfg.model)['total']:>10,} {cfg.model.effective_ffn_hidden_size:>5d} "
+              f"{med * 1e3:>8.1f} {q1 * 1e3:>6.1f}-{q3 * 1e3:<6.1f} {tokens_per_step / med:>9,.0f} "
+              f"{med / base_median:>6.3f} {paired:>23s}")  # fmt: skip
+    print(f"({args.rounds} rounds x {args.steps_per_round} timed steps per variant after {args.warmup} warm-up steps; "
+          f"ratio = median step time / {base}'s; "
+          f"paired: per round)")  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+", default=["baseline", "g1-elementwise", "g1-headwise"],
+                        help="gate presets; the first is the reference of the ratios")  # fmt: skip
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps-per-round", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--data-dir", default="runs/demo-data", help="cache of the demo corpus and tokenizer")
+    args = parser.parse_args()
+    if args.rounds * args.steps_per_round < 2:
+        parser.error("need at least 2 timed steps per variant (--rounds x --steps-per-round) for quartiles")
+
+    import warnings
+
+    import torch
+
+    from megagate import parallel
+    from megagate.cli import _quiet_optional_dependency_notices
+
+    _quiet_optional_dependency_notices()
+    warnings.filterwarnings("ignore", category=UserWarning)  # megatron's deprecation notices, once per model built
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as stack:
+        with quiet_stdout():
+            stack.enter_context(parallel.single_process())
+        for name in args.models:
+            bench_model(name, args.variants, args, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
