@@ -13,7 +13,7 @@ from megagate.errors import MegagateError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("megagate.demo", "build tiny gated GPT models on CPU, run them on real text, print variant statistics"),
+    "demo": ("megagate.demo", "the CPU demo: real-text data, baseline vs gated tiny models trained with megagate train, loss-curve plot"),
     "variants": ("megagate.variants_cli", "list the gate presets and the paper's parameter counts"),
 }
 
