@@ -54,6 +54,12 @@ def _quiet_optional_dependency_notices() -> None:
 
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (is|are) not installed.*")
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    # Notices megatron 0.19 prints on every run about its own API transitions, not about the user's run.
+    for message in ("full scope is deprecated", "MimoModelConfig is experimental", "The .grad attribute of a Tensor"):
+        warnings.filterwarnings("ignore", message=f".*{message}.*")
+    for name, text in (("megatron.core.distributed.distributed_data_parallel", "full_param_layout not provided"),
+                       ("megatron.core.dist_checkpointing.strategies.torch", "async save is deprecated")):  # fmt: skip
+        logging.getLogger(name).addFilter(lambda record, text=text: text not in record.getMessage())
 
 
 def main(argv: list[str] | None = None) -> int:
