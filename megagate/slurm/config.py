@@ -1,13 +1,15 @@
-"""The few training-config keys `megagate submit` needs (parallel sizes and expert count).
+"""The few training-config keys `megagate submit` needs (parallel sizes, model preset and expert count).
 
-Kept in one small function so it can switch to the trainer's config loader once that exists; the keys are the
-Megatron-LM names the trainer's config uses under `parallel:` and `model:`.
+Kept in one small module so it can switch to the trainer's config loader; the keys are the Megatron-LM names the
+trainer's config uses under `parallel:` and `model:`. The expert count is the trainer's: `model.num_experts` when
+given (file or override), else the one of `model.preset` (`megagate.models.model_preset`, e.g. 15a2b-moe -> 128),
+else 0 (dense).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megagate.errors import ConfigError
@@ -19,9 +21,11 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    num_experts: int = 0
+    num_experts: int = 0  # resolved: explicit model.num_experts, else the preset's, else 0
     etp: int | None = None
     dp: int | None = None
+    preset: str | None = None  # model.preset
+    experts_explicit: bool = False  # model.num_experts was given (it wins over the preset's, as in the trainer)
 
 
 _KEYS = {
@@ -35,8 +39,23 @@ _KEYS = {
 }
 
 
+def preset_num_experts(preset: str) -> int:
+    """The expert count of a model preset, through the trainer's own preset table (ConfigError if unknown)."""
+    from megagate.models import PRESETS, model_preset
+
+    if preset not in PRESETS:  # model_preset says the same; checked first so the message names the submit config
+        raise ConfigError(f"model.preset={preset!r} is unknown; known presets: {', '.join(PRESETS)}")
+    return model_preset(preset).num_experts
+
+
+def _resolved(config: ParallelConfig) -> ParallelConfig:
+    if config.experts_explicit or config.preset is None:
+        return config
+    return replace(config, num_experts=preset_num_experts(config.preset))
+
+
 def read_parallel_config(path: str | os.PathLike[str]) -> ParallelConfig:
-    """Read parallel.* sizes and model.num_experts from a YAML training config (absent keys take defaults)."""
+    """Read parallel.* sizes, model.preset and model.num_experts from a YAML training config (absent: defaults)."""
     import yaml
 
     p = Path(path)
@@ -59,7 +78,12 @@ def read_parallel_config(path: str | os.PathLike[str]) -> ParallelConfig:
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise ConfigError(f"config {str(p)!r}: {section}.{key}={value!r} must be an integer")
         values[field] = value
-    return ParallelConfig(**values)  # type: ignore[arg-type]
+    model = data.get("model") or {}
+    preset = model.get("preset")
+    if preset is not None and not isinstance(preset, str):
+        raise ConfigError(f"config {str(p)!r}: model.preset={preset!r} must be a preset name")
+    explicit = model.get("num_experts") is not None
+    return _resolved(ParallelConfig(**values, preset=preset, experts_explicit=explicit))  # type: ignore[arg-type]
 
 
 def apply_overrides(config: ParallelConfig, overrides: list[str]) -> ParallelConfig:
@@ -70,11 +94,17 @@ def apply_overrides(config: ParallelConfig, overrides: list[str]) -> ParallelCon
         key, sep, raw = item.partition("=")
         if not sep:
             raise ConfigError(f"override {item!r} is not key=value")
-        field = by_dotted.get(key.strip())
+        key = key.strip()
+        if key == "model.preset":
+            values["preset"] = raw.strip() or None
+            continue
+        field = by_dotted.get(key)
         if field is None:
             continue
         try:
             values[field] = int(raw)
         except ValueError:
-            raise ConfigError(f"override {item!r}: {key.strip()} must be an integer") from None
-    return ParallelConfig(**values)
+            raise ConfigError(f"override {item!r}: {key} must be an integer") from None
+        if field == "num_experts":
+            values["experts_explicit"] = True
+    return _resolved(ParallelConfig(**values))

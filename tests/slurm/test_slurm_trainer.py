@@ -1,0 +1,206 @@
+"""The real trainer (`megagate train`) on the real local Slurm cluster, submitted with `megagate submit`.
+
+2 nodes x 2 tasks = 4 ranks, TP=2 x DP=2 over gloo, the tiny gated model on the demo corpus, 12 steps (global batch
+8, micro batch 2, sequence 64), a checkpoint every 3 steps. References outside Slurm: the same run under
+`torchrun --standalone --nproc-per-node 4` and a single-process run (TP=1, DP=1), built once per module.
+
+- an uninterrupted Slurm job's losses and final weights equal torchrun's exactly (and the single process's closely);
+- in one job: a rank SIGKILLed mid-run fails the step, the job requeues and resumes from the latest checkpoint; the
+  resumed launch then gets the warning signal (USR1 to the batch shell), checkpoints and exits 0, the job requeues
+  again, resumes exactly there and finishes with the uninterrupted run's losses (replayed steps included) and
+  bit-identical final weights and optimizer state.
+Plus (no cluster needed): `megagate submit` resolves `model.preset` to the trainer's expert count for the EP checks.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from slurm_harness import REPO
+from trainer_runs import (CHECKPOINT_INTERVAL, CONFIG, STEPS, checkpoint_tensors, final_checkpoint, kill_rank,
+                          launches, losses, overrides, train_records, train_single, train_torchrun,
+                          wait_lines)  # fmt: skip
+
+SLURM_TIMEOUT = 300
+
+
+@dataclass(frozen=True)
+class Reference:
+    demo_dir: Path
+    single: Path  # one process, TP=1
+    torchrun: Path  # torchrun --standalone --nproc-per-node 4, TP=2 x DP=2
+
+    def losses(self) -> dict[int, float]:
+        return losses(self.torchrun)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Reference:
+    """The uninterrupted runs outside Slurm (the single-process one also builds the shared demo corpus)."""
+    root = tmp_path_factory.mktemp("trainer-ref")
+    ref = Reference(root / "demo", root / "single", root / "torchrun")
+    t_single = train_single(ref.demo_dir, ref.single)
+    t_torchrun = train_torchrun(ref.demo_dir, ref.torchrun)
+    print(f"reference runs: single process (with the demo corpus) {t_single:.1f} s, torchrun x4 {t_torchrun:.1f} s")
+    return ref
+
+
+def submit(slurm, workdir: Path, job_name: str, out: Path, demo_dir: Path, monkeypatch, capsys) -> int:
+    """`megagate submit` (the CLI entry point, in this process) for the shared run on 2 nodes x 2 CPU tasks."""
+    from megagate import cli
+    from megagate.slurm import commands
+
+    for key in ("SLURM_CONF", "PYTHONPATH", "PATH"):
+        monkeypatch.setenv(key, slurm.env[key])
+    monkeypatch.chdir(workdir)
+    monkeypatch.setitem(cli.COMMANDS, "submit", commands.COMMANDS["submit"])
+    rc = cli.main(["submit", str(CONFIG), *overrides(demo_dir, out), "--nodes", "2", "--gpus-per-node", "0",
+                   "--tasks-per-node", "2", "--time", "10:00", "--signal-lead", "60", "--master-addr", "127.0.0.1",
+                   "--python", sys.executable, "--env", "GLOO_SOCKET_IFNAME=lo", "--job-name", job_name])  # fmt: skip
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "# layout: TP=2 PP=1 CP=1 DP=2 world=4" in captured.out
+    assert captured.out.count(" -m megagate train --config ") == 1
+    return int(captured.err.strip().rsplit(" ", 1)[1])
+
+
+def job_log(workdir: Path, job_name: str, job: int) -> str:
+    path = workdir / "logs" / f"{job_name}-{job}.out"
+    return path.read_text() if path.exists() else ""
+
+
+def assert_same_final_state(out: Path, reference: Path) -> int:
+    """Every tensor of the final checkpoints (model weights and Adam state) is bit-identical; returns the count."""
+    got, want = checkpoint_tensors(final_checkpoint(out)), checkpoint_tensors(final_checkpoint(reference))
+    assert sorted(got) == sorted(want)
+    model_keys = [k for k in got if k.startswith(("embedding.", "decoder.", "output_layer."))]
+    assert "embedding.word_embeddings.weight" in model_keys and len(model_keys) >= 8
+    differ = [k for k in got if not torch.equal(got[k], want[k])]
+    assert not differ, {k: float((got[k] - want[k]).abs().max()) for k in differ}
+    return len(got)
+
+
+@pytest.mark.slurm
+def test_trainer_slurm_job_matches_torchrun(slurm, reference: Reference, tmp_path: Path, monkeypatch, capsys) -> None:
+    """(1) `megagate submit` -> 4 ranks on 2 nodes train to completion; loss curve and weights = torchrun's."""
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    job = submit(slurm, tmp_path, "plain", out, reference.demo_dir, monkeypatch, capsys)
+    info = slurm.wait(job, timeout=SLURM_TIMEOUT)
+    elapsed = time.monotonic() - t0
+    log = job_log(tmp_path, "plain", job)
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "0"), log[-4000:]
+    assert info["NodeList"] == "node[1-2]" and info["NumTasks"] == "4"
+    assert "megagate-slurm: training step finished (exit 0)" in log
+    got, want = losses(out), reference.losses()
+    assert got == want, {s: got[s] - want[s] for s in got if got[s] != want[s]}  # bit-identical floats
+    assert want[STEPS] < want[1] - 0.3  # it trained (7.63 -> 7.20 measured)
+    single = losses(reference.single)  # TP=1 x DP=1: other reduction orders, the same model and data
+    assert max(abs(single[s] - got[s]) for s in got) < 1e-4
+    n = assert_same_final_state(out, reference.torchrun)
+    w_got, w_single = checkpoint_tensors(final_checkpoint(out)), checkpoint_tensors(final_checkpoint(reference.single))
+    assert max(float((w_got[k] - w_single[k]).abs().max()) for k in w_got if k.startswith("decoder.")) < 1e-5
+    print(f"slurm job {job}: {elapsed:.1f} s from submit to COMPLETED; {STEPS} losses and {n} tensors bit-identical")
+
+
+@pytest.mark.slurm
+def test_trainer_killed_rank_and_warning_signal_resume(slurm, reference: Reference, tmp_path: Path, monkeypatch,
+                                                       capsys) -> None:  # fmt: skip
+    """(2) + (3) in one job (one launch less: each costs ~20-40 s of imports and setup on 2 cores).
+
+    Launch 1: rank 2 is SIGKILLed after step 5 -> the step fails -> requeue. Launch 2 resumes from the latest
+    checkpoint; once it logged a step, USR1 to the batch shell -> checkpoint, exit 0 -> requeue. Launch 3 resumes
+    exactly there and finishes. Every logged loss (replayed steps too) and the final weights and Adam state are
+    bit-identical to the uninterrupted run's.
+    """
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    job = submit(slurm, tmp_path, "faults", out, reference.demo_dir, monkeypatch, capsys)
+    seen = wait_lines(out, 5)
+    kill_rank(f"output.dir={out}", 2)
+    slurm.wait(job, until=("PENDING",), release=False, timeout=60)  # the failed step was requeued
+    t_requeued = time.monotonic() - t0
+    killed_at = len(train_records(out))
+    slurm.wait(job, until=("RUNNING",), timeout=60)
+    resumed_seen = wait_lines(out, killed_at + 1)
+    slurm.cluster.run("scancel", "--batch", "--signal=USR1", str(job))
+    info = slurm.wait(job, timeout=SLURM_TIMEOUT)
+    elapsed = time.monotonic() - t0
+    log = job_log(tmp_path, "faults", job)
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "2"), log[-4000:]
+    assert "task 2: Killed" in log and "Killed); requeueing job" in log  # srun saw the rank die, the step failed
+    assert "caught SIGUSR1" in log and "checkpointed and exited after the warning signal" in log
+    assert log.count("requeueing job") == 2 and log.count("training step finished (exit 0)") == 1
+    resumes = [(int(a), int(b)) for a, b in re.findall(
+        rf"resumed from {re.escape(str(out))}/checkpoints/iter_(\d{{7}}) at step (\d+) ", log)]  # fmt: skip
+    stops = [int(s) for s in re.findall(r"stopped at step (\d+) \(signal\)", log)]
+    assert len(resumes) == 2 and all(a == b for a, b in resumes) and len(stops) == 1, (resumes, stops)
+    (resumed, _), (resumed2, _) = resumes
+    stopped = stops[0]
+    assert resumed2 == stopped  # the warned launch resumes exactly where it stopped
+    first, second, third = launches(out, [resumed, stopped])
+    assert len(first) == killed_at and seen <= killed_at < STEPS
+    assert [s for s, _ in first] == list(range(1, killed_at + 1))
+    # the killed launch resumes from its latest checkpoint (one being saved at the kill may be lost)
+    assert resumed % CHECKPOINT_INTERVAL == 0 and killed_at - CHECKPOINT_INTERVAL <= resumed <= killed_at
+    assert resumed_seen <= stopped < STEPS and [s for s, _ in second] == list(range(resumed + 1, stopped + 1))
+    assert [s for s, _ in third] == list(range(stopped + 1, STEPS + 1))
+    want = reference.losses()
+    logged = first + second + third
+    assert logged == [(s, want[s]) for s, _ in logged]  # bit-identical, steps trained twice included
+    n = assert_same_final_state(out, reference.torchrun)
+    print(f"rank 2 killed after step {killed_at} (requeued {t_requeued:.1f} s after submit), resumed at {resumed}; "
+          f"USR1 after step {resumed_seen}, stopped at {stopped}, resumed, finished: {elapsed:.1f} s submit -> "
+          f"COMPLETED; {len(logged)} losses and {n} tensors bit-identical")
+
+
+# --- model.preset in `megagate submit` (no cluster) -----------------------------------------------------------------
+def dry_run(monkeypatch, capsys, tmp_path: Path, argv: list[str]) -> tuple[int, str, str]:
+    from megagate import cli
+    from megagate.slurm import commands
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(cli.COMMANDS, "submit", commands.COMMANDS["submit"])
+    rc = cli.main(["submit", *argv, "--dry-run"])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_trainer_preset_sets_submit_expert_count(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The EP checks use the trainer's expert count: explicit model.num_experts, else the preset's, else dense."""
+    from megagate.slurm.config import apply_overrides, read_parallel_config
+
+    config = tmp_path / "moe.yaml"
+    config.write_text("model:\n  preset: 15a2b-moe\nparallel:\n  expert_model_parallel_size: 8\n")
+    cfg = read_parallel_config(config)
+    assert (cfg.preset, cfg.num_experts, cfg.ep) == ("15a2b-moe", 128, 8)
+    assert apply_overrides(cfg, ["model.preset=tiny-moe"]).num_experts == 4
+    assert apply_overrides(cfg, ["model.num_experts=64", "model.preset=tiny-moe"]).num_experts == 64  # explicit wins
+    assert read_parallel_config(CONFIG).num_experts == 0  # tiny: dense
+
+    rc, out, err = dry_run(monkeypatch, capsys, tmp_path, [str(config), "--nodes", "8", "--gpus-per-node", "8"])
+    assert rc == 0, err
+    assert "# layout: TP=1 PP=1 CP=1 DP=64 EP=8 ETP=1 expert-DP=8 experts=128 world=64" in out
+    cases = [
+        ([str(config), "--nodes", "8", "--gpus-per-node", "8", "parallel.expert_model_parallel_size=6"],
+         "EP(6) does not divide the number of experts (128)"),
+        ([str(config), "--nodes", "8", "--gpus-per-node", "8", "model.preset=tiny-moe"],
+         "EP(8) does not divide the number of experts (4)"),
+        ([str(CONFIG), "--nodes", "1", "--gpus-per-node", "2", "parallel.expert_model_parallel_size=2"],
+         "EP(2) > 1 needs a mixture-of-experts model, but model.num_experts is 0"),
+        ([str(config), "--nodes", "8", "--gpus-per-node", "8", "model.preset=nope"],
+         "model.preset='nope' is unknown; known presets: 1.7b-28l, 1.7b-48l, 15a2b-moe, tiny, tiny-moe"),
+    ]
+    for argv, message in cases:
+        rc, out, err = dry_run(monkeypatch, capsys, tmp_path, argv)
+        assert (rc, out, err) == (2, "", f"megagate submit: error: {message}\n")
+    example = REPO / "slurm" / "examples" / "configs" / "15a2b_moe.yaml"  # explicit num_experts: 128
+    rc, out, err = dry_run(monkeypatch, capsys, tmp_path, [str(example), "--nodes", "8", "--gpus-per-node", "8"])
+    assert rc == 0 and "experts=128 world=64" in out
