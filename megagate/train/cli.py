@@ -53,6 +53,10 @@ def _free_port() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.dry_run:
+        from megagate.train.signals import install_early
+
+        install_early()  # before anything slow: a preemption warning during set-up must not kill the process
     cfg = config_mod.load(args.config, args.overrides)
     if args.dry_run:
         world = args.world_size or int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))

@@ -13,12 +13,25 @@ from typing import Optional
 import torch
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_early: Optional[int] = None  # a stop signal that arrived before the loop's handlers existed
+
+
+def install_early() -> None:
+    """Catch stop signals from the first moment of a launch (set-up takes many seconds on big models); the loop's
+    StopConditions picks up what arrived and stops at its first check, after a checkpoint."""
+
+    def record(signum: int, frame: object) -> None:
+        global _early
+        _early = signum
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, record)
 
 
 class StopConditions:
     def __init__(self, wall_time_limit: Optional[float], install_handlers: bool = True) -> None:
         self.deadline = None if wall_time_limit is None else time.monotonic() + wall_time_limit
-        self.received: Optional[int] = None
+        self.received: Optional[int] = _early
         self.reason: Optional[str] = None
         self._previous = {}
         if install_handlers:
