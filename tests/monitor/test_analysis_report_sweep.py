@@ -45,11 +45,11 @@ def test_analyze_model_table_and_plots(megatron_world, tmp_path):
         assert_png(tmp_path / f"{name}.png")
 
 
-def test_analyze_command_waits_for_trainer_checkpoints(tmp_path):
+def test_analyze_command_refuses_a_folder_that_is_no_checkpoint(tmp_path):
     parser = argparse.ArgumentParser()
     analyze.add_arguments(parser)
     args = parser.parse_args([str(tmp_path), "--out", str(tmp_path / "a")])
-    with pytest.raises(MegagateError, match="trainer checkpoints are not available yet"):
+    with pytest.raises(MegagateError, match="has no readable megagate.json"):
         analyze.run(args)
     with pytest.raises(MegagateError, match="no such file"):
         analyze.run(parser.parse_args([str(tmp_path), "--text", str(tmp_path / "missing.txt")]))

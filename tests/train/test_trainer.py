@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import trainer_runs as T  # noqa: E402
+import tiny_runs as T  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
