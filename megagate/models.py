@@ -214,6 +214,9 @@ def transformer_config(
             apply_rope_fusion=False,
             gradient_accumulation_fusion=False,
             bias_activation_fusion=False,
+            # gloo pairs batched isend/irecv out of order under the interleaved (VPP) schedule: the micro-batches
+            # after the first group got another micro-batch's activations (measured); single p2p ops stay ordered
+            batch_p2p_comm=False,
         )
     kwargs.update(extra)
     return TransformerConfig(**kwargs)

@@ -300,11 +300,6 @@ def validate(cfg: TrainConfig) -> None:
                           f"parallel.tensor_model_parallel_size ({tp})")  # fmt: skip
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
     chunks = pp * (vpp or 1)
-    if vpp is not None:
-        # megatron's interleaved schedule runs here, but its losses do not yet match the non-interleaved schedule
-        # on identical weights (checked on CPU); refuse rather than train a subtly different model.
-        raise ConfigError(f"parallel.virtual_pipeline_model_parallel_size={vpp}: interleaved pipelining is not "
-                          "supported by megagate's trainer yet; leave it unset (non-interleaved 1F1B)")
     if vpp is not None and pp < 2:
         raise ConfigError(f"parallel.virtual_pipeline_model_parallel_size ({vpp}) needs pipeline_model_parallel_size > 1")
     if m.num_layers % chunks:

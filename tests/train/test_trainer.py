@@ -117,3 +117,16 @@ def test_checkpoint_saved_with_tp2_resumes_with_tp1(reference, tmp_path, demo_di
     ours, theirs = T.losses(tmp_path), T.losses(reference)
     for step in range(7, 13):
         assert abs(ours[step] - theirs[step]) < 2e-4, (step, ours[step], theirs[step])
+
+
+@pytest.mark.distributed
+def test_interleaved_pp_matches_single_process(tmp_path, demo_dir):
+    """PP=2 x VPP=2 (megatron's interleaved schedule, 4 layers, tied embeddings) equals one process."""
+    four = ["model.num_layers=4", "train.train_steps=6"]
+    T.run_train(tmp_path / "single", demo_dir, *four)
+    T.run_train(tmp_path / "vpp", demo_dir, *four, "parallel.pipeline_model_parallel_size=2",
+                "parallel.virtual_pipeline_model_parallel_size=2", nproc=2)  # fmt: skip
+    single, vpp = T.losses(tmp_path / "single"), T.losses(tmp_path / "vpp")
+    assert sorted(single) == sorted(vpp) == list(range(1, 7))
+    for step in single:
+        assert abs(single[step] - vpp[step]) < 2e-4, (step, single[step], vpp[step])
