@@ -2,7 +2,7 @@
 
 A gated tensor is `Y' = Y ⊙ act(X W)` (multiplicative) or `Y' = Y + act(X W)` (additive), where X is the attention
 input (the hidden state after the layer's pre-norm) and W a learned projection; an input-independent gate replaces
-`X W` by a learned, zero-initialised parameter. See ../shared/PAPER.md and docs/gates.md.
+`X W` by a learned, zero-initialised parameter. The paper: arXiv 2505.06708; the README has the table of axes.
 
 Positions:   g1 = SDPA output (per query head, before W_O)   g2 = value (per KV head)   g3 = key (per KV head)
              g4 = query (per query head)                     g5 = after the output projection W_O (hidden width)
