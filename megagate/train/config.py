@@ -309,6 +309,9 @@ def validate(cfg: TrainConfig) -> None:
     if m.is_moe and m.num_experts % p.expert_model_parallel_size:
         raise ConfigError(f"parallel.expert_model_parallel_size ({p.expert_model_parallel_size}) must divide "
                           f"model.num_experts ({m.num_experts})")  # fmt: skip
+    if p.context_parallel_size > 1 and t.backend != "te":
+        raise ConfigError(f"parallel.context_parallel_size={p.context_parallel_size} needs Transformer Engine's attention: "
+                          "set train.backend=te (megatron's local attention has no context parallelism)")
     if p.sequence_parallel and tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1")
     if t.precision == "fp8":

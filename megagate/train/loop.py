@@ -207,6 +207,14 @@ def _forward_step(data_iterator: Iterator[dict], model: Any) -> tuple[torch.Tens
     batch = next(data_iterator)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if model.config.context_parallel_size > 1:
+        # each context-parallel rank keeps its (load-balanced, zigzag) share of every sequence
+        from megatron.core import parallel_state
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        batch = get_batch_on_this_cp_rank({**batch, "cu_seqlens": None}, is_hybrid_cp=False,
+                                          cp_group=parallel_state.get_context_parallel_group())  # fmt: skip
+        batch.pop("cu_seqlens", None)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
 
