@@ -317,7 +317,3 @@ def unshare_adam_steps(optimizer: Any) -> None:
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
 
-
-def is_active() -> bool:
-    """True once `install()` has adapted megatron-core for the CPU."""
-    return _installed

@@ -123,14 +123,18 @@ PRESETS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+def _check_fields(values: Mapping[str, Any]) -> None:
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ConfigError(f"model.{unknown[0]} is not a model field; fields: {', '.join(sorted(fields))}")
+
+
 def model_preset(name: str, gate: Optional[GateConfig] = None, **overrides: Any) -> ModelConfig:
     """A preset ModelConfig with an optional gate and field overrides."""
     if name not in PRESETS:
         raise ConfigError(f"model preset {name!r} is unknown; known presets: {', '.join(PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ConfigError(f"model.{unknown[0]} is not a model field; fields: {', '.join(sorted(fields))}")
+    _check_fields(overrides)
     values = {**PRESETS[name], **overrides}
     if gate is not None:
         values["gate"] = gate
@@ -286,10 +290,7 @@ def from_dict(values: Mapping[str, Any], gate: GateConfig) -> ModelConfig:
     values = dict(values)
     preset_name = values.pop("preset", None)
     if preset_name is None:
-        fields = {f.name for f in dataclasses.fields(ModelConfig)}
-        unknown = sorted(set(values) - fields)
-        if unknown:
-            raise ConfigError(f"model.{unknown[0]} is not a model field; fields: {', '.join(sorted(fields))}")
+        _check_fields(values)
         return ModelConfig(gate=gate, **values)
     return model_preset(preset_name, gate=gate, **values)
 

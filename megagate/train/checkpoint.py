@@ -98,14 +98,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _model_state(model_chunks: list, is_loading: bool = False) -> dict:
+def _model_state(model_chunks: list) -> dict:
     if len(model_chunks) == 1:
         return {"model": model_chunks[0].sharded_state_dict()}
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model_chunks)}
 
 
 def _sharded_state(model_chunks: list, optimizer: Any, optimizer_format: str, is_loading: bool) -> dict:
-    state = _model_state(model_chunks, is_loading)
+    state = _model_state(model_chunks)
     if optimizer is not None:
         # the chunks' dicts stay separate (their keys repeat, with different layer offsets); megatron finds the
         # parameters in the nested dict

@@ -458,10 +458,9 @@ def train(cfg: TrainConfig, world_size: int) -> dict:
         if stopped is None and run.step >= t.train_steps:
             valid_loss = evaluate(run)
             metrics.validation(run.step, valid_loss)
-        if run.step > start_step or not ckpt.latest(checkpointer.root):
+        if run.step > start_step:  # otherwise the latest checkpoint already holds this state (or nothing ran)
             run.extra_state = monitor.state()
-            if run.step > 0:  # an optimizer that never stepped has no state to save
-                save(run, checkpointer)
+            save(run, checkpointer)
     finally:
         stop.restore()
         metrics.close()

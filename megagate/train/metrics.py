@@ -79,11 +79,6 @@ class Metrics:
             self.writer.add_scalar("valid/ppl", ppl, step)
         print(f"validation at step {step}: loss {loss:.4f} | perplexity {ppl:.2f}", flush=True)
 
-    def scalars(self, step: int, values: dict[str, float]) -> None:
-        if self.writer is not None:
-            for key, value in values.items():
-                self.writer.add_scalar(key, value, step)
-
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
