@@ -61,7 +61,7 @@ def build(variant: str, model_overrides: list[str], out: str, data_dir: str):
     """A trainer Run for one variant (parallel state re-initialised: megatron keeps one global set)."""
     from megatron.core import parallel_state
 
-    from megagate.train import config as config_mod
+    from megagate import config as config_mod
     from megagate.train import loop
 
     overrides = [f"model.gate.preset={variant}", f"output.dir={out}/{variant}", f"data.demo_dir={data_dir}",
@@ -95,7 +95,7 @@ def timed_step(run, data, step: int) -> float:
 
 
 def bench_model(name: str, variants: list[str], args: argparse.Namespace, out: str) -> None:
-    from megagate import models
+    from megagate.model.counts import parameter_counts
 
     runs = {v: build(v, MODELS[name], out, args.data_dir) for v in variants}
     first = runs[variants[0]][0].cfg
@@ -132,7 +132,7 @@ def bench_model(name: str, variants: list[str], args: argparse.Namespace, out: s
         per_round = [statistics.median(a) / statistics.median(b) for a, b in zip(times[v], times[base])]
         paired = "-" if v == base else (f"{statistics.median(per_round):.3f} "
                                          f"({min(per_round):.2f}..{max(per_round):.2f})")  # fmt: skip
-        print(f"{v:16s} {models.parameter_counts(cfg.model)['total']:>10,} {cfg.model.effective_ffn_hidden_size:>5d} "
+        print(f"{v:16s} {parameter_counts(cfg.model)['total']:>10,} {cfg.model.effective_ffn_hidden_size:>5d} "
               f"{med * 1e3:>8.1f} {q1 * 1e3:>6.1f}-{q3 * 1e3:<6.1f} {tokens_per_step / med:>9,.0f} "
               f"{med / base_median:>6.3f} {paired:>23s}")  # fmt: skip
     print(f"({args.rounds} rounds x {args.steps_per_round} timed steps per variant after {args.warmup} warm-up steps; "
@@ -157,8 +157,8 @@ def main() -> int:
 
     import torch
 
-    from megagate import parallel
     from megagate.cli import _quiet_optional_dependency_notices
+    from megagate.distributed import parallel
 
     _quiet_optional_dependency_notices()
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron's deprecation notices, once per model built

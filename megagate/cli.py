@@ -1,6 +1,7 @@
-"""`megagate` command line: one sub-command per module, imported lazily so `--help` stays fast.
+"""`megagate` command line: one table of sub-commands, each a module of `megagate.commands`.
 
-Each sub-command module exposes `add_arguments(parser)` and `run(args) -> int`.
+Every command module has the same shape: `add_arguments(parser)` and `run(args) -> int`. Modules are imported only
+when their command runs (torch and megatron imports take seconds), so `megagate --help` stays fast.
 """
 
 from __future__ import annotations
@@ -8,41 +9,36 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from types import ModuleType
 
 from megagate.errors import MegagateError
 
-# name -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("megagate.demo", "the CPU demo: real-text data, baseline vs gated tiny models trained with megagate train, loss-curve plot"),
-    "variants": ("megagate.variants_cli", "list the gate presets and the paper's parameter counts"),
+# name -> one-line help; the module is megagate.commands.<name>
+COMMANDS: dict[str, str] = {
+    "train": "train a gated GPT from a YAML config (torchrun, srun or a single process)",
+    "submit": "render and submit a Slurm batch job for a training config",
+    "sweep": "run a stability grid (learning rates x gate variants x seeds) locally or as a Slurm job array",
+    "report": "aggregate run directories into a table (loss, ppl, spikes, divergence, F-Attn, M-Act) and plots",
+    "analyze": "per-layer gate / attention-sink / massive-activation diagnostics of a checkpoint, with PNG plots",
+    "preprocess": "tokenize JSONL/text into megatron .bin/.idx datasets (parallel, streaming, atomic)",
+    "tokenizer": "train a byte-level BPE tokenizer, or check the fast engine against HF",
+    "data": "inspect preprocessed datasets (documents, tokens, length histogram, decoded sample)",
+    "variants": "list the gate presets and the paper's parameter counts",
+    "demo": "the CPU demo: real-text data, baseline vs gated tiny models trained with megagate train, loss-curve plot",
 }
 
 
-def register(name: str, module: str, help_text: str) -> None:
-    """Add a sub-command (used by packages that contribute commands)."""
-    COMMANDS[name] = (module, help_text)
-
-
-def _load_optional_commands() -> None:
-    # Sub-command packages built by other parts of the project register themselves here when present.
-    for module in ("megagate.data.commands", "megagate.slurm.commands", "megagate.monitor.commands", "megagate.train.commands"):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name and module.startswith(exc.name):
-                continue
-            raise
-        for name, (target, help_text) in getattr(mod, "COMMANDS", {}).items():
-            register(name, target, help_text)
+def command_module(name: str) -> ModuleType:
+    """The module implementing command `name` (megagate.commands.<name>)."""
+    return importlib.import_module(f"megagate.commands.{name}")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The full parser with every sub-command (imports every command module: for --help and tests)."""
     parser = argparse.ArgumentParser(prog="megagate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (module, help_text) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_text, description=help_text)
-        sp.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(sp)
+    for name, help_text in COMMANDS.items():
+        command_module(name).add_arguments(sub.add_parser(name, help=help_text, description=help_text))
     return parser
 
 
@@ -57,30 +53,32 @@ def _quiet_optional_dependency_notices() -> None:
     # Notices megatron 0.19 prints on every run about its own API transitions, not about the user's run.
     for message in ("full scope is deprecated", "MimoModelConfig is experimental", "The .grad attribute of a Tensor"):
         warnings.filterwarnings("ignore", message=f".*{message}.*")
-    for name, text in (("megatron.core.distributed.distributed_data_parallel", "full_param_layout not provided"),
-                       ("megatron.core.dist_checkpointing.strategies.torch", "async save is deprecated")):  # fmt: skip
+    for name, text in (
+        ("megatron.core.distributed.distributed_data_parallel", "full_param_layout not provided"),
+        ("megatron.core.dist_checkpointing.strategies.torch", "async save is deprecated"),
+    ):
         logging.getLogger(name).addFilter(lambda record, text=text: text not in record.getMessage())
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run a sub-command; user errors print one line and exit 2."""
     _quiet_optional_dependency_notices()
-    _load_optional_commands()
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Only import the chosen command's module (torch imports are slow), unless help is asked for.
-    if argv and argv[0] in COMMANDS and not any(a in ("-h", "--help") for a in argv[:1]):
-        module, help_text = COMMANDS[argv[0]]
-        parser = argparse.ArgumentParser(prog=f"megagate {argv[0]}", description=help_text)
-        mod = importlib.import_module(module)
-        mod.add_arguments(parser)
-        args = parser.parse_args(argv[1:])
-    else:
-        args = build_parser().parse_args(argv)
-        mod = importlib.import_module(args._module)
+    if not argv or argv[0] not in COMMANDS:
+        build_parser().parse_args(argv)  # prints help or the "invalid choice" error and exits
+        return 2
+    name = argv[0]
+    parser = argparse.ArgumentParser(prog=f"megagate {name}", description=COMMANDS[name])
+    module = command_module(name)
+    module.add_arguments(parser)
+    # intermixed: `submit CONFIG key=value --nodes 8 other=1` (overrides between flags) parses as one would expect;
+    # argparse cannot intermix a command that has sub-commands of its own (`data inspect`)
+    parse = parser.parse_args if parser._subparsers is not None else parser.parse_intermixed_args
+    args = parse(argv[1:])
     try:
-        return int(mod.run(args) or 0)
+        return int(module.run(args) or 0)
     except MegagateError as exc:
-        print(f"megagate {argv[0] if argv else ''}: error: {exc}", file=sys.stderr)
+        print(f"megagate {name}: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -12,7 +12,7 @@ warnings.filterwarnings("ignore")
 @pytest.fixture(scope="session")
 def megatron_world():
     """megatron's parallel state for a world of one process (gloo), shared by the unit tests of a session."""
-    from megagate import parallel
+    from megagate.distributed import parallel
 
     with parallel.single_process():
         yield

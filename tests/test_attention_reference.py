@@ -2,12 +2,13 @@
 
 import pytest
 import torch
+from helpers import reference
 from megatron.core.transformer.spec_utils import build_module
 
-import reference
-from megagate import gate as gates
-from megagate.models import model_preset, transformer_config
-from megagate.spec import gated_layer_spec
+from megagate.model import gate as gates
+from megagate.model.build import transformer_config
+from megagate.model.config import model_preset
+from megagate.model.spec import gated_layer_spec
 
 ATTENTION_VARIANTS = [name for name, fields in gates.PRESETS.items() if not fields.get("sandwich_norm")]
 SEQ, BATCH = 7, 3

@@ -2,10 +2,15 @@
 
 import pytest
 
-from megagate import gate as gates
 from megagate.errors import ConfigError
-from megagate.models import model_preset, transformer_config
-from megagate.spec import check_backend, check_gate_compatible, transformer_engine_available
+from megagate.model import gate as gates
+from megagate.model.build import transformer_config
+from megagate.model.config import model_preset
+from megagate.model.spec import (
+    check_backend,
+    check_gate_compatible,
+    transformer_engine_available,
+)
 
 
 def test_every_preset_is_valid_and_distinct():

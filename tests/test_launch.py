@@ -1,4 +1,4 @@
-"""megagate.launch: Slurm node lists, torchrun/srun environments, and a real gloo group started from srun variables."""
+"""megagate.distributed.launch: Slurm node lists, torchrun/srun environments, and a real gloo group started from srun variables."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megagate.errors import MegagateError
-from megagate.launch import (
+from megagate.distributed.launch import (
     DistEnv,
     LaunchError,
     derive_master_port,
@@ -21,6 +20,7 @@ from megagate.launch import (
     parse_tasks_per_node,
     resolve_env,
 )
+from megagate.errors import MegagateError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -197,7 +197,7 @@ def test_gloo_group_from_srun_variables(tmp_path: Path) -> None:
     prog = textwrap.dedent(
         """
         import json, sys, torch, torch.distributed as dist
-        from megagate.launch import init_process_group
+        from megagate.distributed.launch import init_process_group
         env = init_process_group()
         t = torch.tensor([float(env.rank + 1)])
         dist.all_reduce(t)

@@ -3,14 +3,15 @@
 import dataclasses
 
 import torch
+from helpers import reference
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import build_module
 
-import reference
-from megagate import gate as gates
-from megagate import layout
-from megagate.models import model_preset, transformer_config
-from megagate.spec import gated_layer_spec
+from megagate.model import gate as gates
+from megagate.model import qkv_layout as layout
+from megagate.model.build import transformer_config
+from megagate.model.config import model_preset
+from megagate.model.spec import gated_layer_spec
 
 SEQ, BATCH = 9, 2
 

@@ -1,10 +1,9 @@
 """TP=2, PP=2 and EP=2 equal the single-process model, over gloo with 2 real processes."""
 
 import pytest
+from helpers import distributed, parallel_workers
 
-import distributed
-import parallel_workers
-from megagate import gate as gates
+from megagate.model import gate as gates
 
 pytestmark = pytest.mark.distributed
 ATTENTION_VARIANTS = list(gates.PRESETS)

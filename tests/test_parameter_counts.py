@@ -2,9 +2,9 @@
 
 import pytest
 
-from megagate import gate as gates
-from megagate import models
-from megagate.variants_cli import PAPER_MODELS, format_table, parameter_table
+from megagate.commands.variants import PAPER_MODELS, format_table, parameter_table
+from megagate.model import gate as gates
+from megagate.model.config import matched_ffn_width
 
 
 def test_paper_models_every_variant(megatron_world, capsys):
@@ -30,4 +30,4 @@ def test_paper_models_every_variant(megatron_world, capsys):
 
 @pytest.mark.parametrize("ffn, hidden, added, expected", [(6144, 2048, 2048 * 2048, 5440), (6144, 2048, 2048 * 4096, 4800), (4608, 1536, 0, 4608)])
 def test_matched_ffn_width(ffn, hidden, added, expected):
-    assert models.matched_ffn_width(ffn, hidden, added, 64) == expected
+    assert matched_ffn_width(ffn, hidden, added, 64) == expected

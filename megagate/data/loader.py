@@ -78,7 +78,11 @@ def _weight(x) -> float:
 
 
 def _tokenizer_adapter(tokenizer):
-    from megagate.data.tokenizer import MegatronTokenizerAdapter, Tokenizer, load_tokenizer
+    from megagate.data.tokenizer import (
+        MegatronTokenizerAdapter,
+        Tokenizer,
+        load_tokenizer,
+    )
 
     if isinstance(tokenizer, MegatronTokenizerAdapter):
         return tokenizer
@@ -118,8 +122,14 @@ def build_datasets(
     quiet: bool = True,
 ):
     """(train, valid, test) megatron datasets (any may be None when its split weight is 0). See module docstring."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import (
+        GPTDataset,
+        GPTDatasetConfig,
+        MockGPTDataset,
+    )
 
     from megagate.data.indexed import strip_suffix, validate
 

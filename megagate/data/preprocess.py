@@ -33,7 +33,15 @@ from pathlib import Path
 import numpy as np
 
 from megagate.data.indexed import IndexedWriter, token_dtype
-from megagate.data.readers import TEXT_MODES, BadLine, Chunk, expand_inputs, input_kind, iter_chunks, parse_chunk
+from megagate.data.readers import (
+    TEXT_MODES,
+    BadLine,
+    Chunk,
+    expand_inputs,
+    input_kind,
+    iter_chunks,
+    parse_chunk,
+)
 from megagate.errors import ConfigError, MegagateError, require
 
 BAD_LINE_POLICIES = ("skip", "error")

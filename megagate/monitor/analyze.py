@@ -6,14 +6,12 @@ layer), max_activation.png (M-Act per layer), attention_map.png (one head of the
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from megagate.errors import MegagateError
 from megagate.monitor import diagnostics as D
 from megagate.monitor import plotting
 
@@ -104,127 +102,3 @@ def analyze_model(model: torch.nn.Module, tokens: torch.Tensor, out_dir: str | P
 
 
 # --- command line ------------------------------------------------------------------------------------------------
-_WORLD: list = []  # the single-process megatron world opened for analysis (kept until the process exits)
-
-
-def _ensure_single_process_world() -> None:
-    """A one-process megatron world with TP = PP = 1: the caller's if one is active, else one opened here."""
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        pp = parallel_state.get_pipeline_model_parallel_world_size()
-        if tp != 1 or pp != 1:
-            raise MegagateError(f"analysis builds the whole model in one process; the active parallel state has "
-                                f"TP={tp}, PP={pp}")  # fmt: skip
-        return
-    import atexit
-    import contextlib
-
-    from megagate import parallel
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(parallel.single_process())
-    _WORLD.append(stack)
-    atexit.register(stack.close)
-
-
-def _run_tokenizer(data: object) -> Optional[str]:
-    """The tokenizer file of a run's data section (the demo tokenizer for `data.demo` runs without a blend)."""
-    if data.demo and not data.blend:
-        from megagate.data.demo import prepare_demo_data
-
-        tokenizer, _ = prepare_demo_data(data.demo_dir, data.demo_vocab_size, data.demo_max_bytes)
-        return tokenizer
-    return data.tokenizer
-
-
-def load_model_for_analysis(checkpoint_dir: str | Path) -> tuple[torch.nn.Module, Callable[[str], list[int]]]:
-    """(model in eval mode, text -> token ids) from a trainer checkpoint (iter_NNNNNNN folder).
-
-    The run's config (saved in the checkpoint's megagate.json) rebuilds the model as one TP = PP = 1 module in
-    this process; megatron's dist_checkpointing reshards the saved model tensors into it (any training layout),
-    and the optimizer state is not read.
-    """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-
-    from megagate import megatron_cpu, models
-    from megagate.data.tokenizer import load_tokenizer
-    from megagate.train import checkpoint as ckpt
-    from megagate.train import config as config_mod
-    from megagate.train.loop import precision_kwargs, resolve_backend
-
-    path = Path(checkpoint_dir)
-    if not path.is_dir():
-        raise MegagateError(f"checkpoint {str(path)!r} is not a directory")
-    if ckpt.latest(path) is not None:  # a run's checkpoint root (or run dir's checkpoints/): its newest one
-        path = ckpt.latest(path)
-    elif (path / "checkpoints").is_dir() and ckpt.latest(path / "checkpoints") is not None:
-        path = ckpt.latest(path / "checkpoints")
-    meta = ckpt.read_meta(path)
-    if not isinstance(meta.get("config"), dict):
-        raise MegagateError(f"checkpoint {str(path)!r}: {ckpt.META} has no run config")
-    cfg = config_mod.from_dict(meta["config"])
-    tokenizer_path = _run_tokenizer(cfg.data)
-    if tokenizer_path is None:
-        raise MegagateError(f"checkpoint {str(path)!r}: the run has no tokenizer (mock data?) to encode text with")
-    tokenizer = load_tokenizer(tokenizer_path)
-
-    megatron_cpu.install()
-    _ensure_single_process_world()
-    dtype, _ = precision_kwargs(cfg)  # fp8 recipes are a training setting: analysis runs in the storage dtype
-    backend = resolve_backend(cfg)
-    tconfig = models.transformer_config(cfg.model, models.ParallelConfig(), params_dtype=dtype,
-                                        perform_initialization=False)  # fmt: skip
-    model = models.build_gpt_model(cfg.model, tconfig, backend=backend)
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    try:
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path),
-                                         strict=StrictHandling.RAISE_UNEXPECTED)  # fmt: skip
-    except Exception as exc:  # megatron raises CheckpointingException and others for a mismatched checkpoint
-        raise MegagateError(f"cannot load the model from {str(path)!r} (backend {backend}): {exc}") from None
-    model.load_state_dict(loaded["model"])
-    model.eval()
-
-    def encode(text: str) -> list[int]:
-        return [int(i) for i in tokenizer.encode(text)]
-
-    return model, encode
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a training checkpoint directory")
-    parser.add_argument("--text", default=None, help="a UTF-8 text file to probe with (default: a built-in paragraph)")
-    parser.add_argument("--out", default="analysis", help="folder for the PNG plots and table.txt (default: analysis)")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
-    parser.add_argument("--batch", type=int, default=4, help="sequences (consecutive windows of the text; default 4)")
-
-
-def text_batch(ids: Sequence[int], seq_len: int, batch: int) -> torch.Tensor:
-    """Up to `batch` consecutive windows of `seq_len` tokens; a short text gives one shorter sequence."""
-    if len(ids) < 2:
-        raise MegagateError(f"the text has {len(ids)} token(s); at least 2 are needed")
-    if len(ids) < seq_len:
-        return torch.tensor([list(ids)], dtype=torch.long)
-    n = max(1, min(batch, len(ids) // seq_len))
-    return torch.tensor([list(ids[i * seq_len : (i + 1) * seq_len]) for i in range(n)], dtype=torch.long)
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.seq_len < 2 or args.batch < 1:
-        raise MegagateError(f"--seq-len {args.seq_len} must be >= 2 and --batch {args.batch} >= 1")
-    if args.text is not None and not Path(args.text).is_file():
-        raise MegagateError(f"--text {args.text}: no such file")
-    text = Path(args.text).read_text(encoding="utf-8") if args.text else SAMPLE_TEXT
-    model, encode = load_model_for_analysis(args.checkpoint)
-    tokens = text_batch(encode(text), args.seq_len, args.batch)
-    device = next(model.parameters()).device
-    table = analyze_model(model, tokens.to(device), args.out)
-    from megagate.monitor import runfiles
-
-    runfiles.write_atomic(Path(args.out) / "table.txt", table + "\n")
-    print(table)
-    print(f"plots written to {args.out}")
-    return 0

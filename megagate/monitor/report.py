@@ -8,7 +8,6 @@ variant, mean over seeds; diverged runs drawn as crosses at the top).
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -198,15 +197,3 @@ def report(run_dirs: Sequence[str | Path], out_dir: str | Path | None = None) ->
         plot_final_loss_vs_lr(results, out / "final_loss_vs_lr.png")
         runfiles.write_atomic(out / "report.txt", text + "\n")
     return text
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", nargs="+", help="run directories, or folders of run directories (a sweep's --out)")
-    parser.add_argument("--out", default=None, help="write loss_curves.png, final_loss_vs_lr.png, report.txt here")
-
-
-def run(args: argparse.Namespace) -> int:
-    print(report(args.runs, args.out))
-    if args.out:
-        print(f"plots written to {args.out}")
-    return 0

@@ -2,7 +2,7 @@
 
 Kept in one small module so it can switch to the trainer's config loader; the keys are the Megatron-LM names the
 trainer's config uses under `parallel:` and `model:`. The expert count is the trainer's: `model.num_experts` when
-given (file or override), else the one of `model.preset` (`megagate.models.model_preset`, e.g. 15a2b-moe -> 128),
+given (file or override), else the one of `model.preset` (`megagate.model.config.model_preset`, e.g. 15a2b-moe -> 128),
 else 0 (dense).
 """
 
@@ -41,7 +41,7 @@ _KEYS = {
 
 def preset_num_experts(preset: str) -> int:
     """The expert count of a model preset, through the trainer's own preset table (ConfigError if unknown)."""
-    from megagate.models import PRESETS, model_preset
+    from megagate.model.config import PRESETS, model_preset
 
     if preset not in PRESETS:  # model_preset says the same; checked first so the message names the submit config
         raise ConfigError(f"model.preset={preset!r} is unknown; known presets: {', '.join(PRESETS)}")

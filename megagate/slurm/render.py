@@ -13,8 +13,8 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 
+from megagate.distributed.launch import PORT_BASE, PORT_SLOTS, PORT_SPAN
 from megagate.errors import ConfigError
-from megagate.launch import PORT_BASE, PORT_SLOTS, PORT_SPAN
 from megagate.slurm.request import LAUNCHERS, SlurmRequest
 
 # The NCCL / network knobs, in one place. Values are the defaults for GPU clusters; SlurmRequest.env overrides.
@@ -49,7 +49,7 @@ def _q(value: str) -> str:
 
 
 def bash_master_port_expr() -> str:
-    """megagate.launch.derive_master_port as a bash arithmetic expansion (the torchrun launcher needs it in bash)."""
+    """megagate.distributed.launch.derive_master_port as a bash arithmetic expansion (the torchrun launcher needs it in bash)."""
     return f"$(( {PORT_BASE} + (SLURM_JOB_ID * {PORT_SLOTS} + ${{SLURM_RESTART_COUNT:-0}} % {PORT_SLOTS}) % {PORT_SPAN} ))"
 
 
@@ -148,7 +148,7 @@ def _step_command(request: SlurmRequest, train_argv: Sequence[str], launcher: st
         per_task = request.cpus_per_task * (request.ranks_per_node if launcher == "torchrun" else 1)
         srun.append(f"--cpus-per-task={per_task}")
     if launcher == "srun":
-        # One task per rank; megagate.launch reads SLURM_PROCID/SLURM_LOCALID/... in each.
+        # One task per rank; megagate.distributed.launch reads SLURM_PROCID/SLURM_LOCALID/... in each.
         srun += [f"--ntasks-per-node={request.ranks_per_node}"]
         return f"{' '.join(srun)} {_q(python)} {argv}", "USR1"
     # One torchrun per node; torchrun forwards TERM (not USR1) to its workers, so the shell sends TERM.
@@ -332,11 +332,11 @@ def render_batch_script(
     elif launcher == "torchrun":
         lines.append('export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)')
     else:
-        lines.append("# srun: each rank takes MASTER_ADDR = first host of SLURM_JOB_NODELIST (megagate.launch)")
+        lines.append("# srun: each rank takes MASTER_ADDR = first host of SLURM_JOB_NODELIST (megagate.distributed.launch)")
     if launcher == "torchrun":
-        lines.append(f"export MASTER_PORT={port}   # = megagate.launch.derive_master_port")
+        lines.append(f"export MASTER_PORT={port}   # = megagate.distributed.launch.derive_master_port")
     else:
-        lines.append("# srun: each rank derives MASTER_PORT from SLURM_JOB_ID and SLURM_RESTART_COUNT (megagate.launch)")
+        lines.append("# srun: each rank derives MASTER_PORT from SLURM_JOB_ID and SLURM_RESTART_COUNT (megagate.distributed.launch)")
     lines.append("")
     lines += _sweep_lines(sweep)
     body = (

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from megagate import megatron_cpu
+from megagate.distributed import megatron_cpu
 from megagate.errors import MegagateError
 
 _NAME = re.compile(r"^iter_(\d{7})$")

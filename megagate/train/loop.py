@@ -6,9 +6,7 @@ called from the loop (Checkpointer, Metrics, StopConditions, the spike monitor a
 
 from __future__ import annotations
 
-import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -16,11 +14,13 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from megagate import megatron_cpu, models
-from megagate.errors import ConfigError, MegagateError
+from megagate import config as config_mod
+from megagate.config import Layout, TrainConfig
+from megagate.distributed import megatron_cpu
+from megagate.errors import ConfigError
+from megagate.model.build import build_gpt_model, transformer_config
+from megagate.model.counts import flops_per_token
 from megagate.train import checkpoint as ckpt
-from megagate.train import config as config_mod
-from megagate.train.config import Layout, TrainConfig
 from megagate.train.metrics import Metrics, log
 from megagate.train.signals import StopConditions
 
@@ -45,7 +45,7 @@ class Run:
 # --- setup -------------------------------------------------------------------------------------------------------
 def resolve_backend(cfg: TrainConfig) -> str:
     """'te' or 'local' (auto: Transformer Engine when it imports and a GPU is present)."""
-    from megagate.spec import transformer_engine_available
+    from megagate.model.spec import transformer_engine_available
 
     if cfg.train.backend != "auto":
         return cfg.train.backend
@@ -70,13 +70,13 @@ def build_model_chunks(cfg: TrainConfig) -> list:
     from megagate.train import init
 
     dtype, extra = precision_kwargs(cfg)
-    tconfig = models.transformer_config(cfg.model, cfg.parallel, params_dtype=dtype, **extra)
+    tconfig = transformer_config(cfg.model, cfg.parallel, params_dtype=dtype, **extra)
     backend = resolve_backend(cfg)
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        chunk = models.build_gpt_model(
+        chunk = build_gpt_model(
             cfg.model,
             tconfig,
             backend=backend,
@@ -92,7 +92,10 @@ def build_model_chunks(cfg: TrainConfig) -> list:
 
 
 def wrap_ddp(cfg: TrainConfig, chunks: list) -> list:
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -344,7 +347,7 @@ def resume(run: Run, checkpointer: ckpt.Checkpointer) -> None:
 def setup(cfg: TrainConfig, world_size: int) -> Run:
     from megatron.core.distributed import finalize_model_grads
 
-    from megagate.parallel import initialize_model_parallel
+    from megagate.distributed.parallel import initialize_model_parallel
 
     layout = config_mod.layout(cfg, world_size)
     megatron_cpu.install()
@@ -404,7 +407,7 @@ def train(cfg: TrainConfig, world_size: int) -> dict:
         os.makedirs(cfg.output.dir, exist_ok=True)
         runfiles.write_atomic(os.path.join(cfg.output.dir, "config.yaml"), _yaml(cfg.raw))
     metrics = Metrics(cfg.output.dir, logging_rank, cfg.logging.tensorboard, t.train_steps, gbs * t.seq_length,
-                      models.flops_per_token(cfg.model, t.seq_length), world_size)  # fmt: skip
+                      flops_per_token(cfg.model, t.seq_length), world_size)  # fmt: skip
     monitor = MonitorHook(cfg.monitor, cfg.output.dir, logging_rank)
     monitor.start(run, metrics)
     stop = StopConditions(t.wall_time_limit)

@@ -12,8 +12,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
+from megagate.commands.submit import render_for_config  # noqa: E402
 from megagate.slurm import SlurmRequest, render_batch_script, write_script  # noqa: E402
-from megagate.slurm.commands import render_for_config  # noqa: E402
 
 CONFIG_15A2B = "slurm/examples/configs/15a2b_moe.yaml"
 CONFIG_TINY = "slurm/examples/configs/tiny.yaml"

@@ -1,6 +1,5 @@
 import gzip
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,7 +14,6 @@ from megagate.data.corpus import write_jsonl
 from megagate.data.indexed import validate
 from megagate.data.preprocess import TokenizerSpec, preprocess
 from megagate.data.tokenizer import EOD_TOKEN, load_tokenizer
-from megagate.errors import MegagateError
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -132,7 +130,7 @@ def test_bad_line_fatal_via_cli_writes_nothing(small_tok, tmp_path, capsys):
     rc = cli_main(["preprocess", "-i", str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "o"), "-t", small_tok, "--bad-lines", "error", "-w", "1", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2
-    assert f"bad.jsonl:2: invalid JSON" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "bad.jsonl:2: invalid JSON" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
 
 

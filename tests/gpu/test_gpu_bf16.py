@@ -17,7 +17,7 @@ SEQ, BATCH = 64, 2
 
 @pytest.fixture(scope="module")
 def world():
-    from megagate import parallel
+    from megagate.distributed import parallel
 
     with parallel.single_process():
         yield
@@ -26,8 +26,9 @@ def world():
 def _attention(gate, model_name="tiny", **overrides):
     from megatron.core.transformer.spec_utils import build_module
 
-    from megagate.models import model_preset, transformer_config
-    from megagate.spec import gated_layer_spec
+    from megagate.model.build import transformer_config
+    from megagate.model.config import model_preset
+    from megagate.model.spec import gated_layer_spec
 
     model = model_preset(model_name, gate=gate, **overrides)
     config = transformer_config(model, params_dtype=torch.bfloat16)
@@ -36,15 +37,16 @@ def _attention(gate, model_name="tiny", **overrides):
 
 
 def _variants():
-    from megagate import gate as gates
+    from megagate.model import gate as gates
 
     return [n for n, f in gates.PRESETS.items() if not f.get("sandwich_norm")]
 
 
 @pytest.mark.parametrize("variant", _variants())
 def test_variant_bf16_matches_fp64_reference(world, variant):
-    import reference
-    from megagate import gate as gates
+    from helpers import reference
+
+    from megagate.model import gate as gates
 
     gate = gates.preset(variant)
     attn, model, config = _attention(gate)
@@ -62,7 +64,7 @@ def test_g1_bf16_equals_megatron_output_gate(world):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    from megagate import gate as gates
+    from megagate.model import gate as gates
 
     ours, model, config = _attention(gates.preset("g1-elementwise"))
     spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
@@ -76,8 +78,9 @@ def test_g1_bf16_equals_megatron_output_gate(world):
 @pytest.mark.parametrize("variant", ["baseline", "g1-elementwise", "g1-headwise"])
 def test_paper_width_layer_bf16_forward_backward(world, variant):
     """A 1.7B-28L-width gated GPT (2 layers) trains a step in bf16 without NaNs; gate scores stay in (0, 1)."""
-    from megagate import gate as gates
-    from megagate.models import build_gpt_model, model_preset, transformer_config
+    from megagate.model import gate as gates
+    from megagate.model.build import build_gpt_model, transformer_config
+    from megagate.model.config import model_preset
 
     model = model_preset("1.7b-28l", gate=gates.preset(variant), num_layers=2, vocab_size=32768)
     gpt = build_gpt_model(model, transformer_config(model, params_dtype=torch.bfloat16)).cuda()

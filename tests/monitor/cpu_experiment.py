@@ -10,10 +10,11 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the helpers package
 
-import tiny_train  # noqa: E402
-from megagate import parallel  # noqa: E402
+from helpers import tiny_train
+
+from megagate.distributed import parallel  # noqa: E402
 from megagate.monitor import analyze, diagnostics, report, runfiles  # noqa: E402
 from megagate.monitor.events import EventLog  # noqa: E402
 from megagate.monitor.spike import SpikeMonitor  # noqa: E402

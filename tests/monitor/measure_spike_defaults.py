@@ -1,11 +1,17 @@
 """Reproduces the measurements of docs/monitoring.md §1.2 (≈ 2 minutes): 16 clean tiny-GPT curves, then the
 monitor replayed over them clean and with faults injected at fixed steps.  Usage: python measure_spike_defaults.py"""
+import json
+import math
+import sys
+import time
 from pathlib import Path
-import sys, time, json, math
-sys.path.insert(0, str(Path(__file__).parent))
-from megagate import parallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the helpers package
+from helpers import tiny_train as tt
+
+from megagate.distributed import parallel
 from megagate.monitor.spike import SpikeMonitor, SpikeMonitorConfig
-import tiny_train as tt
+
 CURVES = "/tmp/megagate_clean_curves.json"
 out = {}
 with parallel.single_process():
@@ -44,6 +50,7 @@ for k, c in curves.items():
             det.append((kind, k, kstep, [(e.step, e.metric, round(e.score, 1) if e.score is not None else None) for e in evs]))
 print("clean events:", nev)
 from collections import defaultdict
+
 summ = defaultdict(lambda: [0, 0, 0])
 for kind, k, ks, evs in det:
     steps = {e[0] for e in evs}

@@ -9,11 +9,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
+from helpers import tiny_train
 
-import tiny_train
+from megagate.commands import analyze as analyze_cmd
+from megagate.commands import sweep
 from megagate.errors import ConfigError, MegagateError
-from megagate.monitor import analyze, diagnostics, report, runfiles, sweep
+from megagate.monitor import analyze, diagnostics, report, runfiles
 from megagate.monitor.events import EventLog
 from megagate.monitor.spike import SpikeMonitor
 
@@ -47,13 +48,13 @@ def test_analyze_model_table_and_plots(megatron_world, tmp_path):
 
 def test_analyze_command_refuses_a_folder_that_is_no_checkpoint(tmp_path):
     parser = argparse.ArgumentParser()
-    analyze.add_arguments(parser)
+    analyze_cmd.add_arguments(parser)
     args = parser.parse_args([str(tmp_path), "--out", str(tmp_path / "a")])
     with pytest.raises(MegagateError, match="has no readable megagate.json"):
-        analyze.run(args)
+        analyze_cmd.run(args)
     with pytest.raises(MegagateError, match="no such file"):
-        analyze.run(parser.parse_args([str(tmp_path), "--text", str(tmp_path / "missing.txt")]))
-    assert analyze.text_batch(list(range(10)), 4, 3).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        analyze_cmd.run(parser.parse_args([str(tmp_path), "--text", str(tmp_path / "missing.txt")]))
+    assert analyze_cmd.text_batch(list(range(10)), 4, 3).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 # --- report over real run directories ---------------------------------------------------------------------------

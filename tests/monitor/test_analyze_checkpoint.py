@@ -51,7 +51,8 @@ def saved_model_tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
 
 def test_load_model_for_analysis_has_the_trained_weights(trained: Path, megatron_world, tmp_path: Path) -> None:
     from megagate.data.tokenizer import load_tokenizer
-    from megagate.monitor.analyze import SAMPLE_TEXT, load_model_for_analysis
+    from megagate.monitor.analyze import SAMPLE_TEXT
+    from megagate.train.load import load_model_for_analysis
 
     model, encode = load_model_for_analysis(trained)
     assert not model.training
@@ -69,7 +70,7 @@ def test_load_model_for_analysis_has_the_trained_weights(trained: Path, megatron
         assert torch.equal(sh.data, expected), sh.key
         compared += 1
     assert compared == 2 * 7 + 2  # 7 tensors per layer (gate fused into linear_qkv), embedding, final norm
-    from megagate.train import config as config_mod
+    from megagate import config as config_mod
     from megagate.train import checkpoint as ckpt
 
     cfg = config_mod.from_dict(ckpt.read_meta(trained)["config"])
@@ -107,11 +108,11 @@ def test_analysis_reproduces_the_live_diagnostics(trained: Path, megatron_world)
     """The checkpoint's model on the trainer's probe batch gives the numbers the trainer logged at that step."""
     import json
 
+    from megagate import config as config_mod
     from megagate.monitor import diagnostics
-    from megagate.monitor.analyze import load_model_for_analysis
     from megagate.train import checkpoint as ckpt
-    from megagate.train import config as config_mod
     from megagate.train import loop
+    from megagate.train.load import load_model_for_analysis
 
     model, _ = load_model_for_analysis(trained)
     cfg = config_mod.from_dict(ckpt.read_meta(trained)["config"])
@@ -129,7 +130,7 @@ def test_analysis_reproduces_the_live_diagnostics(trained: Path, megatron_world)
 
 def test_analyze_rejects_a_folder_without_checkpoint(tmp_path: Path) -> None:
     from megagate.errors import MegagateError
-    from megagate.monitor.analyze import load_model_for_analysis
+    from megagate.train.load import load_model_for_analysis
 
     with pytest.raises(MegagateError, match="megagate.json"):
         load_model_for_analysis(tmp_path)

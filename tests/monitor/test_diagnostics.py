@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_train
 
-import tiny_train
 from megagate.monitor import diagnostics as D
 
 SEQ = 24

@@ -5,13 +5,18 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_train
 
-import tiny_train
 from megagate.errors import ConfigError, MegagateError
 from megagate.monitor import runfiles
 from megagate.monitor.events import EventLog
 from megagate.monitor.faults import Fault, FaultInjector
-from megagate.monitor.spike import SpikeMonitor, SpikeMonitorConfig, robust_baseline, worst_action
+from megagate.monitor.spike import (
+    SpikeMonitor,
+    SpikeMonitorConfig,
+    robust_baseline,
+    worst_action,
+)
 
 STEPS = 300
 

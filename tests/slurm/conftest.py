@@ -11,8 +11,7 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
-
-from slurm_harness import SlurmHarness, cluster_mod
+from helpers.slurm_harness import SlurmHarness, cluster_mod
 
 
 @pytest.fixture(scope="session")

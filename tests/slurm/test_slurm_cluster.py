@@ -8,8 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from slurm_harness import REPO, STAND_IN
+from helpers.slurm_harness import REPO, STAND_IN
 
 pytestmark = pytest.mark.slurm
 
@@ -41,7 +40,7 @@ def wait_progress(out: Path, step: int, timeout: float = 60) -> float:
 
 
 def test_two_nodes_four_ranks(slurm, tmp_path: Path) -> None:
-    """(a) srun starts one task per rank; megagate.launch resolves ranks and nodes; gloo all-reduces across nodes."""
+    """(a) srun starts one task per rank; megagate.distributed.launch resolves ranks and nodes; gloo all-reduces across nodes."""
     req = slurm.request("allreduce", venv=str(REPO / ".venv"), python="python")
     job = slurm.submit(req, tmp_path, [f"out={tmp_path}", "steps=4", "step_time=0"])
     info = slurm.wait(job)
@@ -174,12 +173,10 @@ def test_torchrun_launcher_signal_and_resume(slurm, tmp_path: Path) -> None:
 def test_megagate_submit_cli(slurm, tmp_path: Path, monkeypatch, capsys) -> None:
     """`megagate submit` end to end: config -> layout check -> script -> sbatch -> a finished 4-rank job."""
     from megagate import cli
-    from megagate.slurm import commands
 
     for key in ("SLURM_CONF", "PYTHONPATH", "PATH"):
         monkeypatch.setenv(key, slurm.env[key])
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setitem(cli.COMMANDS, "submit", commands.COMMANDS["submit"])
     config = REPO / "slurm" / "examples" / "configs" / "tiny.yaml"
     rc = cli.main(["submit", str(config), f"out={tmp_path}", "steps=3", "--nodes", "2", "--gpus-per-node", "0",
                    "--tasks-per-node", "2", "--time", "5:00", "--signal-lead", "60", "--master-addr", "127.0.0.1",
@@ -201,11 +198,9 @@ def test_megagate_submit_cli(slurm, tmp_path: Path, monkeypatch, capsys) -> None
 def test_invalid_layout_is_not_submitted(slurm, tmp_path: Path, monkeypatch, capsys) -> None:
     """(e) TP x PP x CP not dividing nodes x GPUs, or EP not dividing the experts: refused before sbatch."""
     from megagate import cli
-    from megagate.slurm import commands
 
     monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setitem(cli.COMMANDS, "submit", commands.COMMANDS["submit"])
     before = slurm.job_ids()
     moe = str(REPO / "slurm" / "examples" / "configs" / "15a2b_moe.yaml")
     cases = [

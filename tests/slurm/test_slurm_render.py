@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from megagate.errors import ConfigError, MegagateError
+from megagate.commands import submit as submit_cmd
+from megagate.errors import ConfigError
 from megagate.slurm import (
     SlurmRequest,
     apply_overrides,
@@ -21,7 +22,6 @@ from megagate.slurm import (
     render_batch_script,
     write_script,
 )
-from megagate.slurm import commands
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_15A2B = REPO / "slurm" / "examples" / "configs" / "15a2b_moe.yaml"
@@ -126,8 +126,8 @@ def _bash_syntax_ok(script: str, tmp_path: Path) -> None:
 
 def _dry_run(capsys, argv: list[str]) -> str:
     parser = argparse.ArgumentParser()
-    commands.add_arguments(parser)
-    assert commands.run(parser.parse_args(argv)) == 0
+    submit_cmd.add_arguments(parser)
+    assert submit_cmd.run(parser.parse_intermixed_args(argv)) == 0
     return capsys.readouterr().out
 
 
@@ -234,7 +234,6 @@ def test_cli_refuses_bad_layout_in_one_line(tmp_path: Path, monkeypatch, capsys)
     from megagate import cli
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setitem(cli.COMMANDS, "submit", commands.COMMANDS["submit"])
     rc = cli.main(["submit", str(CONFIG_15A2B), "--nodes", "8", "--gpus-per-node", "8",
                    "parallel.expert_model_parallel_size=6"])
     err = capsys.readouterr().err

@@ -22,11 +22,22 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from slurm_harness import REPO
-from trainer_runs import (CHECKPOINT_INTERVAL, CONFIG, STEPS, checkpoint_tensors, final_checkpoint, kill_rank,
-                          launches, losses, overrides, train_records, train_single, train_torchrun,
-                          wait_lines)  # fmt: skip
+from helpers.slurm_harness import REPO
+from helpers.trainer_runs import (
+    CHECKPOINT_INTERVAL,
+    CONFIG,
+    STEPS,
+    checkpoint_tensors,
+    final_checkpoint,
+    kill_rank,
+    launches,
+    losses,
+    overrides,
+    train_records,
+    train_single,
+    train_torchrun,
+    wait_lines,  # fmt: skip
+)
 
 SLURM_TIMEOUT = 300
 
@@ -55,12 +66,10 @@ def reference(tmp_path_factory) -> Reference:
 def submit(slurm, workdir: Path, job_name: str, out: Path, demo_dir: Path, monkeypatch, capsys) -> int:
     """`megagate submit` (the CLI entry point, in this process) for the shared run on 2 nodes x 2 CPU tasks."""
     from megagate import cli
-    from megagate.slurm import commands
 
     for key in ("SLURM_CONF", "PYTHONPATH", "PATH"):
         monkeypatch.setenv(key, slurm.env[key])
     monkeypatch.chdir(workdir)
-    monkeypatch.setitem(cli.COMMANDS, "submit", commands.COMMANDS["submit"])
     rc = cli.main(["submit", str(CONFIG), *overrides(demo_dir, out), "--nodes", "2", "--gpus-per-node", "0",
                    "--tasks-per-node", "2", "--time", "10:00", "--signal-lead", "60", "--master-addr", "127.0.0.1",
                    "--python", sys.executable, "--env", "GLOO_SOCKET_IFNAME=lo", "--job-name", job_name])  # fmt: skip
@@ -164,10 +173,8 @@ def test_trainer_killed_rank_and_warning_signal_resume(slurm, reference: Referen
 # --- model.preset in `megagate submit` (no cluster) -----------------------------------------------------------------
 def dry_run(monkeypatch, capsys, tmp_path: Path, argv: list[str]) -> tuple[int, str, str]:
     from megagate import cli
-    from megagate.slurm import commands
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setitem(cli.COMMANDS, "submit", commands.COMMANDS["submit"])
     rc = cli.main(["submit", *argv, "--dry-run"])
     captured = capsys.readouterr()
     return rc, captured.out, captured.err

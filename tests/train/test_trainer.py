@@ -9,12 +9,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tiny_runs as T  # noqa: E402
+from helpers import tiny_runs as T
 
 pytestmark = pytest.mark.slow
 

@@ -39,7 +39,7 @@ def _lr_label(lr: float) -> str:
 def expand_grid(base_overrides: Sequence[str], lrs: Sequence[float], variants: Sequence[str], seeds: Sequence[int],
                 out_dir: str = "runs/sweep") -> list[RunSpec]:  # fmt: skip
     """The grid in a fixed order (variant, lr, seed); the grid's own keys override any in `base_overrides`."""
-    from megagate import gate as gates
+    from megagate.model import gate as gates
 
     if not lrs or not variants or not seeds:
         raise ConfigError(f"sweep grid is empty: lrs={list(lrs)}, variants={list(variants)}, seeds={list(seeds)}")

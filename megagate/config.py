@@ -27,10 +27,10 @@ from typing import Any, Mapping, Optional, Union
 
 import yaml
 
-from megagate import gate as gates
-from megagate import models
 from megagate.errors import ConfigError
-from megagate.models import ModelConfig, ParallelConfig
+from megagate.model import gate as gates
+from megagate.model.config import ModelConfig, ParallelConfig
+from megagate.model.config import from_dict as model_from_dict
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
@@ -229,7 +229,7 @@ def _model(values: Any) -> ModelConfig:
     for key, value in values.items():
         if key in hints and key != "gate":
             values[key] = _check_type(value, hints[key], f"model.{key}")
-    return models.from_dict(values, gate)
+    return model_from_dict(values, gate)
 
 
 SECTIONS = ("model", "parallel", "train", "data", "checkpoint", "logging", "output", "monitor", "seed")
@@ -315,12 +315,12 @@ def validate(cfg: TrainConfig) -> None:
     if p.sequence_parallel and tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1")
     if t.precision == "fp8":
-        from megagate.spec import transformer_engine_available
+        from megagate.model.spec import transformer_engine_available
 
         if not transformer_engine_available():
             raise ConfigError("train.precision='fp8' needs Transformer Engine, which is not installed; use bf16 or fp32")
     if t.backend == "te":
-        from megagate.spec import check_backend
+        from megagate.model.spec import check_backend
 
         check_backend("te")
     d = cfg.data
@@ -330,7 +330,6 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("data.tokenizer is required with data.blend (the tokenizer the data was preprocessed with)")
     if d.blend and not d.mock:
         from megagate.data.indexed import strip_suffix
-
         from megagate.data.loader import parse_blend
 
         for prefix in parse_blend(d.blend)[0]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megagate.errors import ConfigError
-from megagate.gate import GateConfig
+from megagate.model.gate import GateConfig
 
 RowKey = tuple[str, int, int]  # (tensor, head or group index, channel)
 

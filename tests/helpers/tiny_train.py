@@ -15,8 +15,9 @@ from typing import Optional
 
 import torch
 
-from megagate import gate as gates
-from megagate import models
+from megagate.model import gate as gates
+from megagate.model.build import build_gpt_model, transformer_config
+from megagate.model.config import model_preset
 from megagate.monitor.faults import FaultInjector
 from megagate.monitor.spike import SpikeMonitor, worst_action
 
@@ -52,8 +53,8 @@ def batch_at(index: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
 
 def build(preset: str = "g1-elementwise", seed: int = 0, **overrides) -> torch.nn.Module:
     torch.manual_seed(seed)
-    mc = models.model_preset("tiny", gate=gates.preset(preset), **overrides)
-    return models.build_gpt_model(mc, models.transformer_config(mc))
+    mc = model_preset("tiny", gate=gates.preset(preset), **overrides)
+    return build_gpt_model(mc, transformer_config(mc))
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """An independent plain-torch gated attention, written from the paper's formulas (no megagate or megatron code).
 
 Weights are given per head; `fuse_qkv` lays them out the way megagate's linear_qkv documents it, written separately
-from megagate.layout so a layout bug cannot cancel out.
+from megagate.model.qkv_layout so a layout bug cannot cancel out.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from megagate import gate as gates
-from megagate import models
+from megagate.model import gate as gates
+from megagate.model.build import meta_parameter_count
+from megagate.model.config import PRESETS, model_preset
+from megagate.model.counts import parameter_counts
 
 PAPER_MODELS = ("1.7b-28l", "1.7b-48l", "15a2b-moe")
 
@@ -15,12 +17,12 @@ def parameter_table(model_presets: tuple[str, ...], variants: list[str], build: 
     rows = []
     for preset in model_presets:
         for variant in variants:
-            model = models.model_preset(preset, gate=gates.preset(variant))
-            counts = models.parameter_counts(model)
+            model = model_preset(preset, gate=gates.preset(variant))
+            counts = parameter_counts(model)
             rows.append({
                 "model": preset, "variant": variant, "total": counts["total"], "active": counts["active"],
                 "gate": counts["gate"], "ffn": model.effective_ffn_hidden_size,
-                "built": models.meta_parameter_count(model) if build else None,
+                "built": meta_parameter_count(model) if build else None,
             })  # fmt: skip
     return rows
 
@@ -36,7 +38,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", nargs="+", default=list(PAPER_MODELS), choices=list(models.PRESETS))
+    parser.add_argument("--models", nargs="+", default=list(PAPER_MODELS), choices=list(PRESETS))
     parser.add_argument("--variants", nargs="+", default=list(gates.PRESETS), choices=list(gates.PRESETS))
     parser.add_argument("--build", action="store_true", help="also build each model on the meta device and count")
 
@@ -46,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:32s} {gates.preset(name).describe()}")
     print()
     if args.build:
-        from megagate import parallel
+        from megagate.distributed import parallel
 
         with parallel.single_process():
             rows = parameter_table(tuple(args.models), args.variants, build=True)

@@ -9,8 +9,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from megagate import megatron_cpu
-from megagate.models import ParallelConfig
+from megagate.distributed import megatron_cpu
+from megagate.model.config import ParallelConfig
 
 
 def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:

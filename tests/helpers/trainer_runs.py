@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from slurm_harness import REPO
+from helpers.slurm_harness import REPO
 
 CONFIG = REPO / "examples" / "tiny_cpu.yaml"
 STEPS = 12

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from megagate.train import config as config_mod
+from megagate import config as config_mod
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,12 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def describe(cfg: config_mod.TrainConfig, world_size: int) -> str:
     """The resolved model, parallel layout and batch arithmetic, as printed by --dry-run."""
-    from megagate import models
+    from megagate.model.counts import flops_per_token, parameter_counts
 
     layout = config_mod.layout(cfg, world_size)
     m, t = cfg.model, cfg.train
-    counts = models.parameter_counts(m)
-    flops = models.flops_per_token(m, t.seq_length)
+    counts = parameter_counts(m)
+    flops = flops_per_token(m, t.seq_length)
     lines = [
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}/{m.num_query_groups} "
         f"x {m.head_dim}, FFN {m.effective_ffn_hidden_size}"
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import torch
 
-    from megagate import launch
+    from megagate.distributed import launch
     from megagate.train.loop import train
 
     if not any(v in os.environ for v in ("RANK", "SLURM_PROCID", "MASTER_PORT")):

@@ -234,7 +234,7 @@ def check_megatron_version(version: str) -> None:
     low, high = (Version(v) for v in SUPPORTED_MEGATRON)
     if not low <= Version(version) < high:
         raise MegagateError(
-            f"megatron-core {version} is not supported on CPU by megagate.megatron_cpu "
+            f"megatron-core {version} is not supported on CPU by megagate.distributed.megatron_cpu "
             f"(checked: >={SUPPORTED_MEGATRON[0]},<{SUPPORTED_MEGATRON[1]}); install megatron-core==0.19.2"
         )
 

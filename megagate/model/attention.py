@@ -2,7 +2,7 @@
 
 Where each variant lives (shapes in megatron notation; `_p` = this tensor-parallel rank's part):
 
-* head-specific, query-dependent gates of G1–G4: rows fused into `linear_qkv` per query group (megagate.layout), so
+* head-specific, query-dependent gates of G1–G4: rows fused into `linear_qkv` per query group (megagate.model.qkv_layout), so
   column-parallel TP shards q, k, v and gate together; logits come out of the same GEMM.
 * head-shared gates: one replicated projection W [w, h] (w = hn or 1) whose scores every head multiplies by. Each
   rank applies it to its own heads, so its gradient is a partial sum over heads: without sequence parallelism the
@@ -34,8 +34,8 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_size
 from torch import Tensor
 
-from megagate.gate import GateConfig, combine, gate_scores, head_rms_norm
-from megagate.layout import QkvLayout, qkv_layout, split_rows
+from megagate.model.gate import GateConfig, combine, gate_scores, head_rms_norm
+from megagate.model.qkv_layout import QkvLayout, qkv_layout, split_rows
 
 
 class GatedSelfAttention(SelfAttention):
@@ -160,8 +160,6 @@ class GatedSelfAttention(SelfAttention):
         sq, b = mixed_qkv.shape[:2]
         parts = split_rows(mixed_qkv.movedim(-1, 0), layout)  # {name: [ng_p, rows, sq, b]}
         parts = {name: t.movedim(1, -1) for name, t in parts.items()}  # {name: [ng_p, sq, b, rows]}
-        hn = layout.head_dim
-
         def per_head(t: Tensor, heads_per_group: int) -> Tensor:
             # [ng_p, sq, b, hpg * d] -> [sq, b, ng_p * hpg, d]
             ng = t.shape[0]
@@ -262,23 +260,4 @@ def _dp_cp_group() -> Any:
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
-def gate_parameter_count(gate: GateConfig, hidden_size: int, num_heads: int, num_groups: int, head_dim: int) -> int:
-    """Parameters one attention layer adds for `gate` (pure arithmetic; mirrors GatedSelfAttention)."""
-    count = 0
-    if gate.enabled:
-        width = gate.width(head_dim)
-        if gate.position == "g5":
-            count += hidden_size if gate.input == "input_independent" else hidden_size * hidden_size
-        elif gate.input == "input_independent":
-            heads = num_heads if gate.on_query_heads else num_groups
-            count += width * (1 if gate.sharing == "head_shared" else heads)
-        elif gate.sharing == "head_shared":
-            count += width * hidden_size
-        else:
-            count += qkv_layout(gate, num_heads, num_groups, head_dim).gate_rows * hidden_size
-    if gate.sdpa_norm == "rmsnorm":
-        count += num_heads * head_dim
-    return count
-
-
-__all__ = ["GatedSelfAttention", "gate_parameter_count"]
+__all__ = ["GatedSelfAttention"]

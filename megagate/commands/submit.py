@@ -17,11 +17,6 @@ from megagate.slurm.render import render_batch_script
 from megagate.slurm.request import LAUNCHERS, SlurmRequest
 from megagate.slurm.submit import submit
 
-# Registry read by megagate/cli.py: name -> (module with add_arguments/run, help).
-COMMANDS: dict[str, tuple[str, str]] = {
-    "submit": ("megagate.slurm.commands", "render and submit a Slurm batch job for a training config"),
-}
-
 DEFAULT_COMMAND = "-m megagate train"
 
 
@@ -67,9 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--master-addr", default=None, help="rendezvous host (default: first node)")
     parser.add_argument("--script-out", default=None, help="where to write the script (default under run dir)")
     parser.add_argument("--dry-run", action="store_true", help="print the script; do not submit")
-    # `submit CONFIG key=value --nodes 8 other=1`: overrides may sit between flags, which plain parse_args
-    # refuses for a nargs="*" positional; the CLI calls parser.parse_args, so route it to the intermixed parser.
-    parser.parse_args = parser.parse_intermixed_args  # type: ignore[method-assign]
 
 
 def _parse_env(items: list[str]) -> dict[str, str | None]:

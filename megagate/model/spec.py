@@ -15,15 +15,18 @@ import copy
 from typing import Any, Callable, Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_decoder_layer_specs
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_decoder_layer_specs,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megagate.attention import GatedSelfAttention
 from megagate.errors import ConfigError
-from megagate.gate import GateConfig
+from megagate.model.attention import GatedSelfAttention
+from megagate.model.gate import GateConfig
 
 BACKENDS = ("local", "te")
 

@@ -35,7 +35,7 @@ signal.signal(signal.SIGTERM, _on_signal)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megagate.launch import init_process_group  # noqa: E402
+from megagate.distributed.launch import init_process_group  # noqa: E402
 
 
 def _atomic_json(path: Path, data: dict) -> None:

@@ -14,7 +14,7 @@ def _entry(rank: int, fn: Callable, world_size: int, out_dir: str, args: tuple) 
     import warnings
 
     warnings.filterwarnings("ignore")
-    from megagate import parallel
+    from megagate.distributed import parallel
 
     parallel.init_distributed(rank, world_size, os.path.join(out_dir, "rendezvous"), backend="gloo")
     try:

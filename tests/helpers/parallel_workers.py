@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 
-from megagate import gate as gates
-from megagate.models import ParallelConfig, build_gpt_model, model_preset, transformer_config
-from megagate.parallel import initialize_model_parallel
+from megagate.distributed.parallel import initialize_model_parallel
+from megagate.model import gate as gates
+from megagate.model.build import build_gpt_model, transformer_config
+from megagate.model.config import ParallelConfig, model_preset
 
 SEQ, BATCH = 12, 4
 
@@ -63,7 +62,10 @@ def _unshard(name: str, local: torch.Tensor, param: torch.Tensor, group) -> torc
 
 
 def _ddp(module):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
 
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
     return DistributedDataParallel(module.config, ddp_config, module)

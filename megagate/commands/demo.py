@@ -36,7 +36,7 @@ NOISE = re.compile(r"^(\[Gloo\] Rank \d+ is connected to|DistributedDataParallel
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from megagate import gate as gates
+    from megagate.model import gate as gates
 
     parser.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
@@ -154,9 +154,9 @@ def plot(out: Path, runs: dict[str, Path], steps: int) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    from megagate import models  # megatron: several seconds
+    from megagate import config as config_mod
     from megagate.data.demo import prepare_demo_data
-    from megagate.train import config as config_mod
+    from megagate.model.counts import parameter_counts
 
     if args.steps < 2:
         raise MegagateError(f"--steps {args.steps}: need at least 2 steps to draw a loss curve")
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         if args.fresh and run_dir.exists():
             shutil.rmtree(run_dir)
         overrides = train_overrides(variant, run_dir, args.steps, args.data_dir)
-        params = models.parameter_counts(config_mod.load(args.config, overrides).model)["total"]
+        params = parameter_counts(config_mod.load(args.config, overrides).model)["total"]
         if check_reusable(run_dir, args.steps):
             print(f"[{variant:>{width}}] finished {args.steps}-step run found in {run_dir}; reusing it", flush=True)
             wall = previous.get(variant, {}).get("wall_s")

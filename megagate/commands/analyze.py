@@ -1,0 +1,50 @@
+"""`megagate analyze CHECKPOINT`: per-layer gate / attention-sink / massive-activation diagnostics, with PNG plots."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from megagate.errors import MegagateError
+from megagate.monitor.analyze import SAMPLE_TEXT, analyze_model
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a training checkpoint directory")
+    parser.add_argument("--text", default=None, help="a UTF-8 text file to probe with (default: a built-in paragraph)")
+    parser.add_argument("--out", default="analysis", help="folder for the PNG plots and table.txt (default: analysis)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences (consecutive windows of the text; default 4)")
+
+
+def text_batch(ids: Sequence[int], seq_len: int, batch: int) -> torch.Tensor:
+    """Up to `batch` consecutive windows of `seq_len` tokens; a short text gives one shorter sequence."""
+    if len(ids) < 2:
+        raise MegagateError(f"the text has {len(ids)} token(s); at least 2 are needed")
+    if len(ids) < seq_len:
+        return torch.tensor([list(ids)], dtype=torch.long)
+    n = max(1, min(batch, len(ids) // seq_len))
+    return torch.tensor([list(ids[i * seq_len : (i + 1) * seq_len]) for i in range(n)], dtype=torch.long)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.seq_len < 2 or args.batch < 1:
+        raise MegagateError(f"--seq-len {args.seq_len} must be >= 2 and --batch {args.batch} >= 1")
+    if args.text is not None and not Path(args.text).is_file():
+        raise MegagateError(f"--text {args.text}: no such file")
+    text = Path(args.text).read_text(encoding="utf-8") if args.text else SAMPLE_TEXT
+    from megagate.train.load import load_model_for_analysis
+
+    model, encode = load_model_for_analysis(args.checkpoint)
+    tokens = text_batch(encode(text), args.seq_len, args.batch)
+    device = next(model.parameters()).device
+    table = analyze_model(model, tokens.to(device), args.out)
+    from megagate.monitor import runfiles
+
+    runfiles.write_atomic(Path(args.out) / "table.txt", table + "\n")
+    print(table)
+    print(f"plots written to {args.out}")
+    return 0

@@ -1,0 +1,134 @@
+"""megatron objects from a `ModelConfig`: its `TransformerConfig` (produced, never copied) and the `GPTModel`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megagate.model.config import ModelConfig, ParallelConfig
+
+
+def transformer_config(
+    model: ModelConfig,
+    parallel: ParallelConfig = ParallelConfig(),
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    use_cpu: Optional[bool] = None,
+    perform_initialization: bool = True,
+    **extra: Any,
+) -> "TransformerConfig":  # noqa: F821
+    """megatron's TransformerConfig for `model` under `parallel` (CPU-safe fusions off when CUDA is absent)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cpu = (not torch.cuda.is_available()) if use_cpu is None else use_cpu
+    moe: dict[str, Any] = {}
+    if model.is_moe:
+        moe = dict(
+            num_moe_experts=model.num_experts,
+            moe_router_topk=model.moe_router_topk,
+            moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+            moe_router_load_balancing_type=model.moe_load_balancing,
+            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+            moe_z_loss_coeff=model.moe_z_loss_coeff,
+            moe_router_score_function="softmax",
+            # alltoall needs CUDA streams; allgather is exact and works over gloo
+            moe_token_dispatcher_type="allgather" if cpu else "alltoall",
+            moe_grouped_gemm=False,
+        )
+    kwargs: dict[str, Any] = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim,
+        ffn_hidden_size=model.effective_ffn_hidden_size,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        qk_layernorm=model.qk_layernorm,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        pipeline_dtype=params_dtype,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        use_cpu_initialization=cpu,
+        perform_initialization=perform_initialization,
+        **moe,
+    )
+    if cpu:
+        kwargs.update(
+            bias_dropout_fusion=False,
+            masked_softmax_fusion=False,
+            persist_layer_norm=False,
+            apply_rope_fusion=False,
+            gradient_accumulation_fusion=False,
+            bias_activation_fusion=False,
+            # gloo pairs batched isend/irecv out of order under the interleaved (VPP) schedule: the micro-batches
+            # after the first group got another micro-batch's activations (measured); single p2p ops stay ordered
+            batch_p2p_comm=False,
+        )
+    kwargs.update(extra)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(
+    model: ModelConfig,
+    config: "TransformerConfig",  # noqa: F821
+    *,
+    backend: str = "local",
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+) -> "GPTModel":  # noqa: F821
+    """A megatron GPTModel built from the gated decoder block spec (this pipeline stage's part)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megagate.model.spec import gated_decoder_block_spec
+
+    block = gated_decoder_block_spec(config, model.gate, backend=backend, vp_stage=vp_stage,
+                                     tp_size=parallel_state.get_tensor_model_parallel_world_size())  # fmt: skip
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block,
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=model.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=model.rotary_base,
+        vp_stage=vp_stage,
+    )
+
+
+def meta_parameter_count(model: ModelConfig) -> int:
+    """Parameters of the model as megatron builds it (TP=PP=1), on the meta device: no memory, no initialisation.
+
+    Needs megatron's parallel state (e.g. inside `megagate.distributed.parallel.single_process()`).
+    """
+    config = transformer_config(model, use_cpu=True, perform_initialization=False)
+    with torch.device("meta"):
+        gpt = build_gpt_model(model, config)
+    return sum(p.numel() for p in gpt.parameters())
+
+
+class _DropGPTModelDeprecation(logging.Filter):
+    # megatron 0.19 logs a deprecation warning for every GPTModel it builds; it stays the GPT path here.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "GPTModel IS DEPRECATED" not in record.getMessage()
+
+
+logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_DropGPTModelDeprecation())

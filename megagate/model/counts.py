@@ -1,0 +1,57 @@
+"""Pure parameter and FLOP arithmetic for gated models (no megatron): what the builders must match."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megagate.model.gate import GateConfig
+from megagate.model.qkv_layout import qkv_layout
+
+if TYPE_CHECKING:
+    from megagate.model.config import ModelConfig
+
+
+def gate_parameter_count(gate: GateConfig, hidden_size: int, num_heads: int, num_groups: int, head_dim: int) -> int:
+    """Parameters one attention layer adds for `gate` (pure arithmetic; mirrors GatedSelfAttention)."""
+    count = 0
+    if gate.enabled:
+        width = gate.width(head_dim)
+        if gate.position == "g5":
+            count += hidden_size if gate.input == "input_independent" else hidden_size * hidden_size
+        elif gate.input == "input_independent":
+            heads = num_heads if gate.on_query_heads else num_groups
+            count += width * (1 if gate.sharing == "head_shared" else heads)
+        elif gate.sharing == "head_shared":
+            count += width * hidden_size
+        else:
+            count += qkv_layout(gate, num_heads, num_groups, head_dim).gate_rows * hidden_size
+    if gate.sdpa_norm == "rmsnorm":
+        count += num_heads * head_dim
+    return count
+
+
+def parameter_counts(model: ModelConfig) -> dict[str, int]:
+    """Analytic parameter counts: total, active per token (MoE), and the gate's share."""
+    h, n, g, d, layers = model.hidden_size, model.num_attention_heads, model.num_query_groups, model.head_dim, model.num_layers
+    attention = h * n * d + 2 * h * g * d + n * d * h + (2 * d if model.qk_layernorm else 0)
+    gate = gate_parameter_count(model.gate, h, n, g, d)
+    norms = 2 * h + model._sandwich_params()
+    if model.is_moe:
+        expert = 3 * h * model.moe_ffn_hidden_size
+        router = model.num_experts * h
+        mlp_total, mlp_active = router + model.num_experts * expert, router + model.moe_router_topk * expert
+    else:
+        mlp_total = mlp_active = 3 * h * model.effective_ffn_hidden_size
+    embeddings = model.vocab_size * h * (1 if model.tie_embeddings else 2)
+    per_layer_fixed = attention + gate + norms
+    total = embeddings + layers * (per_layer_fixed + mlp_total) + h  # + final norm
+    active = embeddings + layers * (per_layer_fixed + mlp_active) + h
+    return {"total": total, "active": active, "gate": layers * gate, "embedding": embeddings}
+
+
+def flops_per_token(model: ModelConfig, seq_length: int) -> int:
+    """Training FLOPs per token (forward + backward = 3 × forward; matmuls only, causal attention halved)."""
+    counts = parameter_counts(model)
+    dense_params = counts["active"] - model.vocab_size * model.hidden_size * (0 if model.tie_embeddings else 1)
+    attention_scores = 2 * model.num_layers * seq_length * model.num_attention_heads * model.head_dim  # QK^T and AV, causal
+    return 3 * (2 * dense_params + attention_scores)

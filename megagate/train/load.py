@@ -1,0 +1,101 @@
+"""A model from a training checkpoint, outside training (one process): for `megagate analyze` and other tools."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from megagate.errors import MegagateError
+
+_WORLD: list = []  # the single-process megatron world opened for analysis (kept until the process exits)
+
+
+def _ensure_single_process_world() -> None:
+    """A one-process megatron world with TP = PP = 1: the caller's if one is active, else one opened here."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if tp != 1 or pp != 1:
+            raise MegagateError(f"analysis builds the whole model in one process; the active parallel state has "
+                                f"TP={tp}, PP={pp}")  # fmt: skip
+        return
+    import atexit
+    import contextlib
+
+    from megagate.distributed import parallel
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(parallel.single_process())
+    _WORLD.append(stack)
+    atexit.register(stack.close)
+
+
+def _run_tokenizer(data: object) -> Optional[str]:
+    """The tokenizer file of a run's data section (the demo tokenizer for `data.demo` runs without a blend)."""
+    if data.demo and not data.blend:
+        from megagate.data.demo import prepare_demo_data
+
+        tokenizer, _ = prepare_demo_data(data.demo_dir, data.demo_vocab_size, data.demo_max_bytes)
+        return tokenizer
+    return data.tokenizer
+
+
+def load_model_for_analysis(checkpoint_dir: str | Path) -> tuple[torch.nn.Module, Callable[[str], list[int]]]:
+    """(model in eval mode, text -> token ids) from a trainer checkpoint (iter_NNNNNNN folder).
+
+    The run's config (saved in the checkpoint's megagate.json) rebuilds the model as one TP = PP = 1 module in
+    this process; megatron's dist_checkpointing reshards the saved model tensors into it (any training layout),
+    and the optimizer state is not read.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from megagate import config as config_mod
+    from megagate.data.tokenizer import load_tokenizer
+    from megagate.distributed import megatron_cpu
+    from megagate.model.build import build_gpt_model, transformer_config
+    from megagate.model.config import ParallelConfig
+    from megagate.train import checkpoint as ckpt
+    from megagate.train.loop import precision_kwargs, resolve_backend
+
+    path = Path(checkpoint_dir)
+    if not path.is_dir():
+        raise MegagateError(f"checkpoint {str(path)!r} is not a directory")
+    if ckpt.latest(path) is not None:  # a run's checkpoint root (or run dir's checkpoints/): its newest one
+        path = ckpt.latest(path)
+    elif (path / "checkpoints").is_dir() and ckpt.latest(path / "checkpoints") is not None:
+        path = ckpt.latest(path / "checkpoints")
+    meta = ckpt.read_meta(path)
+    if not isinstance(meta.get("config"), dict):
+        raise MegagateError(f"checkpoint {str(path)!r}: {ckpt.META} has no run config")
+    cfg = config_mod.from_dict(meta["config"])
+    tokenizer_path = _run_tokenizer(cfg.data)
+    if tokenizer_path is None:
+        raise MegagateError(f"checkpoint {str(path)!r}: the run has no tokenizer (mock data?) to encode text with")
+    tokenizer = load_tokenizer(tokenizer_path)
+
+    megatron_cpu.install()
+    _ensure_single_process_world()
+    dtype, _ = precision_kwargs(cfg)  # fp8 recipes are a training setting: analysis runs in the storage dtype
+    backend = resolve_backend(cfg)
+    tconfig = transformer_config(cfg.model, ParallelConfig(), params_dtype=dtype,
+                                        perform_initialization=False)  # fmt: skip
+    model = build_gpt_model(cfg.model, tconfig, backend=backend)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    try:
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path),
+                                         strict=StrictHandling.RAISE_UNEXPECTED)  # fmt: skip
+    except Exception as exc:  # megatron raises CheckpointingException and others for a mismatched checkpoint
+        raise MegagateError(f"cannot load the model from {str(path)!r} (backend {backend}): {exc}") from None
+    model.load_state_dict(loaded["model"])
+    model.eval()
+
+    def encode(text: str) -> list[int]:
+        return [int(i) for i in tokenizer.encode(text)]
+
+    return model, encode
