@@ -1,8 +1,8 @@
 """TP=2, PP=2 and EP=2 equal the single-process model, over gloo with 2 real processes."""
 
 import pytest
-from helpers import distributed, parallel_workers
 
+from helpers import distributed, parallel_workers
 from megagate.model import gate as gates
 
 pytestmark = pytest.mark.distributed
@@ -16,6 +16,7 @@ def test_tp2_equals_tp1_for_every_variant(tmp_path):
         for variant, diff in rank_result.items():
             assert diff["loss"] < 1e-5, (variant, diff)
             assert diff["grad"] < 1e-5 * max(1.0, diff["grad_scale"]), (variant, diff)
+            assert diff["checkpoint"] == [], (variant, diff)  # TP-sharded gate parameters split as the table says
 
 
 PP_EP_VARIANTS = ["g1-elementwise", "g2-headwise", "g1-elementwise-head-shared"]

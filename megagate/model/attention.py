@@ -14,6 +14,9 @@ Where each variant lives (shapes in megatron notation; `_p` = this tensor-parall
 * G1 and the SDPA-output baselines are applied through megatron's own output-gate hook (`_apply_output_gate`,
   between core attention and `linear_proj`), so recompute, context parallelism and inference paths stay megatron's.
 
+Which parameters exist, their shapes, TP axes, initial values and sequence-parallel marks come from one table,
+`megagate.model.gate_params.gate_parameters`; this module creates what the table lists and nothing else.
+
 G2/G3/G4 gate the projected value/key/query before QK-norm and RoPE (the paper's "after the projection").
 """
 
@@ -35,6 +38,7 @@ from megatron.core.utils import get_pg_size
 from torch import Tensor
 
 from megagate.model.gate import GateConfig, combine, gate_scores, head_rms_norm
+from megagate.model.gate_params import GateParam, gate_parameters
 from megagate.model.qkv_layout import QkvLayout, qkv_layout, split_rows
 
 
@@ -50,8 +54,12 @@ class GatedSelfAttention(SelfAttention):
         **kwargs: Any,
     ) -> None:
         self.gate = gate
+        # The full (unsharded) table of this layer's gate parameters; megagate.train.init reads it too.
+        heads, groups, head_dim = config.num_attention_heads, config.num_query_groups, config.kv_channels
+        table = gate_parameters(gate, config.hidden_size, heads, groups, head_dim)
+        self.gate_params: tuple[GateParam, ...] = tuple(table)
         tp_size = get_pg_size(kwargs["pg_collection"].tp) if kwargs.get("pg_collection") else _mpu_tp_size()
-        full = qkv_layout(gate, config.num_attention_heads, config.num_query_groups, config.kv_channels)
+        full = qkv_layout(gate, heads, groups, head_dim)
         self.qkv_layout: QkvLayout = full.local(tp_size)
         # Megatron's output-gate hook carries the G1 logits (and the SDPA-output baselines) from the qkv split to
         # the core-attention output; a private copy of the config switches it on for this module only.
@@ -81,60 +89,57 @@ class GatedSelfAttention(SelfAttention):
 
     # --- parameters ----------------------------------------------------------------------------------------------
     def _build_gate_parameters(self, tp_size: int) -> None:
-        gate, cfg, hn = self.gate, self.config, self.config.kv_channels
-        dtype = cfg.params_dtype
+        """Create every table entry not fused into linear_qkv, as this TP rank's shard."""
+        for entry in self.gate_params:
+            if not entry.in_linear_qkv:
+                self.register_parameter(entry.name, self._new_parameter(entry, tp_size))
+
+    def _new_parameter(self, entry: GateParam, tp_size: int) -> torch.nn.Parameter:
+        cfg = self.config
+        shape = entry.local_shape(tp_size)
         # CPU initialisation follows the default device (the meta device when counting parameters).
         device = None if cfg.use_cpu_initialization else torch.cuda.current_device()
-        self.shared_gate_weight: Optional[torch.nn.Parameter] = None
-        self.gate_param: Optional[torch.nn.Parameter] = None
-        self.output_gate_weight: Optional[torch.nn.Parameter] = None
-        self.sdpa_norm_weight: Optional[torch.nn.Parameter] = None
-        if gate.enabled and gate.position != "g5" and not gate.fused_rows:
-            width = gate.width(hn)
-            if gate.input == "input_independent":
-                heads = 1 if gate.sharing == "head_shared" else self._gated_heads_local()
-                self.gate_param = torch.nn.Parameter(torch.zeros(heads, width, dtype=dtype, device=device))
-                if gate.sharing == "head_specific":
-                    set_tensor_model_parallel_attributes(self.gate_param, True, 0, 1)
-            else:  # head-shared projection
-                self.shared_gate_weight = self._replicated_weight(width, cfg.hidden_size, dtype, device)
-        if gate.position == "g5":
-            if gate.input == "input_independent":
-                self.gate_param = torch.nn.Parameter(torch.zeros(1, cfg.hidden_size, dtype=dtype, device=device))
-            else:
-                self.output_gate_weight = self._replicated_weight(cfg.hidden_size, cfg.hidden_size, dtype, device)
-        if gate.sdpa_norm == "rmsnorm":
-            heads = self.num_attention_heads_per_partition
-            self.sdpa_norm_weight = torch.nn.Parameter(torch.ones(heads, hn, dtype=dtype, device=device))
-            set_tensor_model_parallel_attributes(self.sdpa_norm_weight, True, 0, 1)
-        if cfg.sequence_parallel:
-            g5_param = self.gate_param if gate.position == "g5" else None
-            for p in (self.shared_gate_weight, self.output_gate_weight, g5_param):
-                if p is not None:
-                    p.sequence_parallel = True  # gradient is a partial sum over TP ranks: megatron sums it
+        if entry.init == "normal":
+            param = torch.nn.Parameter(torch.empty(shape, dtype=cfg.params_dtype, device=device))
+            if cfg.perform_initialization:
+                # The same RNG stream on every TP rank (CPU default / CUDA default generator) keeps replicas equal.
+                with torch.no_grad():
+                    cfg.init_method(param)
+        else:
+            fill = torch.zeros if entry.init == "zeros" else torch.ones
+            param = torch.nn.Parameter(fill(shape, dtype=cfg.params_dtype, device=device))
+        if entry.tp_axis is not None:
+            set_tensor_model_parallel_attributes(param, True, entry.tp_axis, 1)
+        if cfg.sequence_parallel and entry.sequence_parallel_grad:
+            param.sequence_parallel = True  # its gradient is a partial sum over TP ranks: megatron sums it
+        return param
 
-    def _replicated_weight(self, rows: int, cols: int, dtype: torch.dtype, device: Any) -> torch.nn.Parameter:
-        weight = torch.nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device))
-        if self.config.perform_initialization:
-            # The same RNG stream on every TP rank (CPU default / CUDA default generator) keeps replicas equal.
-            with torch.no_grad():
-                self.config.init_method(weight)
-        return weight
+    def _entries(self, *roles: str) -> list[GateParam]:
+        return [e for e in self.gate_params if e.role in roles]
 
-    def _gated_heads_local(self) -> int:
-        return (
-            self.num_attention_heads_per_partition if self.gate.on_query_heads else self.num_query_groups_per_partition
-        )
+    def _score_shaped(self, entry: GateParam) -> Tensor:
+        """A parameter shaped like the scores (input-independent logits, activation parameters), broadcastable to
+        the gated tensor: [1, h] at G5, else [1, 1, heads_p or 1, w]."""
+        param = getattr(self, entry.name)
+        if self.gate.position == "g5":
+            return param
+        if entry.tp_axis is None and get_pg_size(self.tp_group) > 1:
+            # shared by all heads: each rank applies it to its own heads, so its gradient is summed over TP
+            param = copy_to_tensor_model_parallel_region(param, group=self.tp_group)
+        return param.unsqueeze(0).unsqueeze(0)
 
     # --- gate logits ------------------------------------------------------------------------------------------------
     def _unfused_logits(self, hidden_states: Tensor) -> Tensor:
-        """Logits of head-shared or input-independent gates, broadcastable to [sq, b, heads, w]."""
-        if self.gate_param is not None:
-            param = self.gate_param
-            if self.gate.sharing == "head_shared" and get_pg_size(self.tp_group) > 1:
-                param = copy_to_tensor_model_parallel_region(param, group=self.tp_group)
-            return param.unsqueeze(0).unsqueeze(0)  # [1, 1, heads, w]
-        return self._replicated_projection(hidden_states, self.shared_gate_weight).unsqueeze(2)  # [sq, b, 1, w]
+        """Logits of gates not fused into linear_qkv: [1, 1, heads, w] / [sq, b, 1, w], or [1, h] / [sq(/tp), b, h]
+        at G5."""
+        (entry,) = self._entries("logits", "projection")
+        if entry.role == "logits":
+            return self._score_shaped(entry)
+        weight = getattr(self, entry.name)
+        if self.gate.position == "g5":
+            # the output of linear_proj is this rank's sequence chunk under SP, and whole otherwise: so is the input
+            return torch.nn.functional.linear(hidden_states, weight)
+        return self._replicated_projection(hidden_states, weight).unsqueeze(2)
 
     def _replicated_projection(self, hidden_states: Tensor, weight: Tensor) -> Tensor:
         """X W^T with a TP-replicated weight whose scores each rank applies to its own heads."""
@@ -170,13 +175,12 @@ class GatedSelfAttention(SelfAttention):
         value = per_head(parts["v"], 1)
 
         logits = None
-        if gate.enabled and gate.position != "g5":
-            if "q_gate" in parts:
-                logits = per_head(parts["q_gate"], layout.heads_per_group)
-            elif "kv_gate" in parts:
-                logits = per_head(parts["kv_gate"], 1)
-            else:
-                logits = self._unfused_logits(hidden_states)
+        if "q_gate" in parts:
+            logits = per_head(parts["q_gate"], layout.heads_per_group)
+        elif "kv_gate" in parts:
+            logits = per_head(parts["kv_gate"], 1)
+        elif gate.enabled and gate.position != "g5":
+            logits = self._unfused_logits(hidden_states)
         if gate.position == "g4":
             query = self._gate(query, logits)
         elif gate.position == "g3":
@@ -213,33 +217,26 @@ class GatedSelfAttention(SelfAttention):
             return output, bias
         if bias is not None:
             output, bias = output + bias, None
-        if self.gate_param is not None:
-            logits = self.gate_param  # [1, h]
-        else:
-            logits = torch.nn.functional.linear(hidden_states, self.output_gate_weight)  # [sq(/tp), b, h]
-        return self._gate(output, logits), bias
+        return self._gate(output, self._unfused_logits(hidden_states)), bias
 
     def _gate(self, y: Tensor, logits: Tensor) -> Tensor:
-        scores = gate_scores(logits, self.gate.activation)  # fp32
+        own = {e.name: self._score_shaped(e) for e in self._entries("activation")}  # the activation's parameters
+        scores = gate_scores(logits, self.gate.activation, **own)  # fp32
         if self.score_observer is not None:
             self.score_observer(self, scores.detach())
         return combine(y, scores, self.gate.combine)
 
     # --- checkpointing ----------------------------------------------------------------------------------------------
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        """megatron's default, with the head-sharded gate parameters split along their head axis."""
+        """megatron's default (gate parameters replicated), with the table's TP-sharded entries split on their axis."""
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        tp_sharded = {}
-        for name in ("gate_param", "sdpa_norm_weight"):
-            param = getattr(self, name)
-            if param is not None and getattr(param, "tensor_model_parallel", False):
-                tp_sharded[name] = param
-        if tp_sharded:
+        axes = {e.name: e.checkpoint_axis for e in self.gate_params if e.checkpoint_axis is not None}
+        if axes:
             sharded.update(
                 make_sharded_tensors_for_checkpoint(
-                    tp_sharded,
+                    {name: getattr(self, name) for name in axes},
                     prefix,
-                    {name: 0 for name in tp_sharded},
+                    axes,
                     sharded_offsets,
                     tp_group=self.tp_group,
                     dp_cp_group=(metadata or {}).get("dp_cp_group") or _dp_cp_group(),

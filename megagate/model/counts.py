@@ -5,29 +5,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megagate.model.gate import GateConfig
-from megagate.model.qkv_layout import qkv_layout
+from megagate.model.gate_params import gate_parameters
 
 if TYPE_CHECKING:
     from megagate.model.config import ModelConfig
 
 
 def gate_parameter_count(gate: GateConfig, hidden_size: int, num_heads: int, num_groups: int, head_dim: int) -> int:
-    """Parameters one attention layer adds for `gate` (pure arithmetic; mirrors GatedSelfAttention)."""
-    count = 0
-    if gate.enabled:
-        width = gate.width(head_dim)
-        if gate.position == "g5":
-            count += hidden_size if gate.input == "input_independent" else hidden_size * hidden_size
-        elif gate.input == "input_independent":
-            heads = num_heads if gate.on_query_heads else num_groups
-            count += width * (1 if gate.sharing == "head_shared" else heads)
-        elif gate.sharing == "head_shared":
-            count += width * hidden_size
-        else:
-            count += qkv_layout(gate, num_heads, num_groups, head_dim).gate_rows * hidden_size
-    if gate.sdpa_norm == "rmsnorm":
-        count += num_heads * head_dim
-    return count
+    """Parameters one attention layer adds for `gate`: the sum over its table (megagate.model.gate_params)."""
+    return sum(p.numel for p in gate_parameters(gate, hidden_size, num_heads, num_groups, head_dim))
 
 
 def parameter_counts(model: ModelConfig) -> dict[str, int]:

@@ -13,13 +13,16 @@ Activation:  sigmoid | silu | ns_sigmoid (0.5 + 0.5·sigmoid, non-sparse) | iden
 Input:       query_dependent (X W) | input_independent (learned parameter, zero-initialised)
 Non-gate SDPA-output baselines (`sdpa_norm`): rmsnorm (per-head RMSNorm, "SDPA GroupNorm") | silu (no parameters).
 Stability baseline: `sandwich_norm` (a norm on each sublayer output before the residual add).
+
+A variant's formula lives here (ACTIVATIONS, COMBINES), its parameters in megagate.model.gate_params and its name in
+PRESETS; docs/gate_variants.md adds one end to end.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +32,32 @@ from megagate.errors import ConfigError
 POSITIONS = ("none", "g1", "g2", "g3", "g4", "g5")
 GRANULARITIES = ("elementwise", "headwise")
 SHARINGS = ("head_specific", "head_shared")
-COMBINES = ("multiplicative", "additive")
-ACTIVATIONS = ("sigmoid", "silu", "ns_sigmoid", "identity")
 INPUTS = ("query_dependent", "input_independent")
 SDPA_NORMS = ("none", "rmsnorm", "silu")
+
+
+# --- the gate math: one registry per axis whose values are formulas (docs/gate_variants.md adds one) ------------
+@dataclass(frozen=True)
+class Activation:
+    """scores = fn(logits, **parameters), in fp32. `fn`'s keyword arguments are the activation's own learned
+    parameters, declared in megagate.model.gate_params.ACTIVATION_PARAMETERS and shaped like the scores.
+    `positive`: every score is > 0, so adding it (combine='additive') is an offset, not a gate."""
+
+    fn: Callable[..., torch.Tensor]
+    positive: bool = False
+
+
+ACTIVATIONS: dict[str, Activation] = {
+    "sigmoid": Activation(torch.sigmoid, positive=True),
+    "silu": Activation(F.silu),
+    "ns_sigmoid": Activation(lambda z: 0.5 + 0.5 * torch.sigmoid(z), positive=True),  # non-sparse: in (0.5, 1)
+    "identity": Activation(lambda z: z),
+}
+
+COMBINES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "multiplicative": lambda y, scores: y * scores,
+    "additive": lambda y, scores: y + scores,
+}
 
 # Which attention tensor each position gates, and on which heads it lives.
 QUERY_SIDE = ("g1", "g4")  # per query head
@@ -112,7 +137,7 @@ def validate(gate: GateConfig) -> None:
                           "state after W_O, which has no heads; use elementwise")  # fmt: skip
     if gate.position == "g5" and gate.sharing == "head_shared":
         raise ConfigError("gate.sharing='head_shared' is invalid with gate.position='g5' (no heads after W_O)")
-    if gate.combine == "additive" and gate.activation in ("sigmoid", "ns_sigmoid"):
+    if gate.combine == "additive" and ACTIVATIONS[gate.activation].positive:
         raise ConfigError(
             f"gate.combine='additive' with gate.activation={gate.activation!r} is not a gate (it only adds a "
             "positive offset); additive gates use activation 'silu' or 'identity', as in the paper"
@@ -190,34 +215,24 @@ def preset(name: str) -> GateConfig:
 
 
 # --- pure gate math -------------------------------------------------------------------------------------------
-def gate_scores(logits: torch.Tensor, activation: str) -> torch.Tensor:
-    """Activation of the gate logits, computed in fp32 as megatron does for its output gate."""
-    x = logits.float()
-    if activation == "sigmoid":
-        return torch.sigmoid(x)
-    if activation == "silu":
-        return F.silu(x)
-    if activation == "ns_sigmoid":
-        return 0.5 + 0.5 * torch.sigmoid(x)
-    if activation == "identity":
-        return x
-    raise ConfigError(f"gate activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+def gate_scores(logits: torch.Tensor, activation: str, **parameters: torch.Tensor) -> torch.Tensor:
+    """Activation of the gate logits (with the activation's own parameters), in fp32 as megatron does for its
+    output gate."""
+    if activation not in ACTIVATIONS:
+        raise ConfigError(f"gate activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[activation].fn(logits.float(), **{k: v.float() for k, v in parameters.items()})
 
 
 def combine(y: torch.Tensor, scores: torch.Tensor, mode: str) -> torch.Tensor:
     """Y ⊙ scores or Y + scores (scores broadcast), computed in fp32 and returned in Y's dtype."""
-    if mode == "multiplicative":
-        out = y * scores
-    elif mode == "additive":
-        out = y + scores
-    else:
+    if mode not in COMBINES:
         raise ConfigError(f"gate combine {mode!r} is not one of {', '.join(COMBINES)}")
-    return out.to(y.dtype)
+    return COMBINES[mode](y, scores).to(y.dtype)
 
 
-def apply_gate(y: torch.Tensor, logits: torch.Tensor, gate: GateConfig) -> torch.Tensor:
+def apply_gate(y: torch.Tensor, logits: torch.Tensor, gate: GateConfig, **parameters: torch.Tensor) -> torch.Tensor:
     """Gate `y` with `logits` (broadcastable to y) according to `gate`."""
-    return combine(y, gate_scores(logits, gate.activation), gate.combine)
+    return combine(y, gate_scores(logits, gate.activation, **parameters), gate.combine)
 
 
 def head_rms_norm(y: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

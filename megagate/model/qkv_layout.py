@@ -23,6 +23,21 @@ from megagate.model.gate import GateConfig
 RowKey = tuple[str, int, int]  # (tensor, head or group index, channel)
 
 
+def check_tensor_parallel(
+    num_heads: int, num_groups: int, tp_size: int, *, model: str = "", parallel: str = ""
+) -> None:
+    """The one check that tensor parallelism can split the attention: megatron hands each TP rank whole query heads
+    and whole KV groups, and megagate keeps each group's q, k, v and gate rows on one rank.
+
+    `model` / `parallel` prefix the names in the message (e.g. "model." and "parallel." for a config file's keys).
+    """
+    for name, value in (("num_attention_heads", num_heads), ("num_query_groups", num_groups)):
+        if value % tp_size:
+            raise ConfigError(
+                f"{model}{name} ({value}) must be divisible by {parallel}tensor_model_parallel_size ({tp_size})"
+            )
+
+
 @dataclass(frozen=True)
 class QkvLayout:
     """Sizes of the fused qkv(+gate) projection for `num_heads` query heads in `num_groups` KV groups."""
@@ -81,11 +96,7 @@ class QkvLayout:
 
     def local(self, tp_size: int) -> "QkvLayout":
         """The layout of one tensor-parallel rank's shard."""
-        if self.num_groups % tp_size:
-            raise ConfigError(
-                f"num_query_groups ({self.num_groups}) must be divisible by tensor_model_parallel_size ({tp_size}) "
-                "for gated attention"
-            )
+        check_tensor_parallel(self.num_heads, self.num_groups, tp_size)
         return QkvLayout(self.num_heads // tp_size, self.num_groups // tp_size, self.head_dim,
                          self.q_gate_width, self.kv_gate_width)  # fmt: skip
 

@@ -27,6 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megagate.errors import ConfigError
 from megagate.model.attention import GatedSelfAttention
 from megagate.model.gate import GateConfig
+from megagate.model.qkv_layout import check_tensor_parallel
 
 BACKENDS = ("local", "te")
 
@@ -58,17 +59,7 @@ def check_gate_compatible(config: TransformerConfig, gate: GateConfig, tp_size: 
             f"gate.position={gate.position!r} is not supported with multi_latent_attention (MLA): megagate gates "
             "standard multi-head/GQA attention; set gate.position='none' or multi_latent_attention=false"
         )
-    if config.num_attention_heads % tp_size:
-        raise ConfigError(
-            f"num_attention_heads ({config.num_attention_heads}) must be divisible by "
-            f"tensor_model_parallel_size ({tp_size})"
-        )
-    groups = config.num_query_groups or config.num_attention_heads
-    if groups % tp_size:
-        raise ConfigError(
-            f"num_query_groups ({groups}) must be divisible by tensor_model_parallel_size ({tp_size}) "
-            "(megagate keeps each KV group's q, k, v and gate rows on one rank)"
-        )
+    check_tensor_parallel(config.num_attention_heads, config.num_query_groups or config.num_attention_heads, tp_size)
 
 
 class SublayerOutputNormBDA(MegatronModule):

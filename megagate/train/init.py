@@ -5,8 +5,14 @@ global layer number and the global expert index — and every rank keeps its own
 parallel layouts therefore start from identical weights, so their loss curves can be compared step by step, and a
 checkpoint written under one layout means the same model under another.
 
-Rules follow megatron's initialisation: normal(0, σ) for weights, σ/√(2L) for the output projections of each
-sublayer (`linear_proj`, `linear_fc2`), ones for norm weights, zeros for biases and input-independent gates.
+Every parameter gets its value from exactly one explicit rule, and a parameter that no rule covers is an error:
+
+* gate parameters: the rule of their entry in the gate table (megagate.model.gate_params), per attention module;
+* `RULES` below, matched on the parameter's name: megatron's initialisation, normal(0, σ) for weights, σ/√(2L) for
+  the output projections of each sublayer (`linear_proj`, `linear_fc2`), ones for norm weights, zeros for biases.
+
+Naming and sharding are explicit too: `_global_name` (layer and expert renumbering, the tied output layer) and
+`_shard` (megatron's TP attributes, SwiGLU fc1 halves; expert weights over the expert-tensor-parallel group).
 """
 
 from __future__ import annotations
@@ -14,24 +20,78 @@ from __future__ import annotations
 import math
 import re
 import zlib
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
+from megagate.model.attention import GatedSelfAttention
+from megagate.model.gate_params import GateParam
+
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
+# SequentialMLP's experts: `...mlp.experts.local_experts.<local index>.linear_fc{1,2}.weight`
 _EXPERT = re.compile(r"^(.*local_experts\.)(\d+)(\..*)$")
 
 
-def _global_name(name: str, chunk: torch.nn.Module, expert_offset: int) -> str:
+@dataclass(frozen=True)
+class Rule:
+    """An initial value for the parameters whose (global) name matches `pattern`."""
+
+    what: str
+    pattern: re.Pattern[str]
+    init: str  # zeros | ones | normal (σ) | normal_scaled (σ/√(2L))
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("bias", re.compile(r"(^|\.)(layer_norm_)?bias$"), "zeros"),
+    # local norms (input_layernorm, pre_mlp_layernorm, q/k_layernorm, final_layernorm, sandwich `*_bda.norm`) and
+    # the norm fused into TE's LayerNormLinear (`layer_norm_weight`)
+    Rule("norm weight", re.compile(r"(layernorm\.weight|\.norm\.weight|\.layer_norm_weight)$"), "ones"),
+    Rule("sublayer output projection", re.compile(r"\.(linear_proj|linear_fc2)\.weight$"), "normal_scaled"),
+    Rule("input projection", re.compile(r"\.(linear_qkv|linear_fc1)\.weight$"), "normal"),
+    Rule("MoE router", re.compile(r"\.router\.weight$"), "normal"),
+    Rule("embedding / output layer", re.compile(r"^(embedding\.word_embeddings|output_layer)\.weight$"), "normal"),
+)
+
+
+def rule_for(name: str) -> Rule:
+    """The first rule matching `name` (a global parameter name); ValueError naming it if none does."""
+    for rule in RULES:
+        if rule.pattern.search(name):
+            return rule
+    raise ValueError(
+        f"no initialisation rule covers parameter {name!r}: add one to megagate.train.init.RULES, or declare a gate "
+        "parameter in megagate.model.gate_params"
+    )
+
+
+def _global_name(name: str, chunk: torch.nn.Module, ep_rank: int) -> str:
+    """The parameter's name in the full model: global layer number, global expert index, tied embedding."""
     if name == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False):
         return "embedding.word_embeddings.weight"  # the last stage's copy of a tied embedding (PP > 1)
-    match = _LAYER.match(name)
-    if match:
-        layer = chunk.decoder.layers[int(match.group(2))]
-        name = f"{match.group(1)}{layer.layer_number - 1}{match.group(3)}"
-    match = _EXPERT.match(name)
-    if match:
-        name = f"{match.group(1)}{int(match.group(2)) + expert_offset}{match.group(3)}"
+    layer_match = _LAYER.match(name)
+    if layer_match:
+        layer = chunk.decoder.layers[int(layer_match.group(2))]
+        name = f"{layer_match.group(1)}{layer.layer_number - 1}{layer_match.group(3)}"
+        expert_match = _EXPERT.match(name)
+        if expert_match:  # this rank holds experts [ep_rank·local, (ep_rank+1)·local)
+            local = len(layer.mlp.experts.local_experts)
+            name = f"{expert_match.group(1)}{int(expert_match.group(2)) + ep_rank * local}{expert_match.group(3)}"
     return name
+
+
+def _gate_entries(chunk: torch.nn.Module) -> dict[str, GateParam]:
+    """{parameter name in `chunk`: its gate-table entry} for every gate parameter built as its own tensor."""
+    entries = {}
+    for prefix, module in chunk.named_modules():
+        if isinstance(module, GatedSelfAttention):
+            for entry in module.gate_params:
+                if not entry.in_linear_qkv:
+                    entries[f"{prefix}.{entry.name}" if prefix else entry.name] = entry
+                elif rule_for(f"{prefix}.linear_qkv.weight").init != entry.init:
+                    # fused rows are drawn with the rest of linear_qkv: the table must not promise another value
+                    raise ValueError(f"{prefix}: fused gate rows want init={entry.init!r}, linear_qkv gives another")
+    return entries
 
 
 def _full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
@@ -51,15 +111,25 @@ def _shard(full: torch.Tensor, name: str, param: torch.Tensor, rank: int, size: 
     return full.chunk(size, dim=param.partition_dim)[rank]
 
 
-def _value(name: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int) -> torch.Tensor:
-    leaf = name.rsplit(".", 1)[-1]
-    if leaf in ("bias", "gate_param"):
+def _draw(init: str, name: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int) -> torch.Tensor:
+    if init == "zeros":
         return torch.zeros(shape)
-    if len(shape) == 1 or leaf == "sdpa_norm_weight":  # norm weights
+    if init == "ones":
         return torch.ones(shape)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    scale = std / math.sqrt(2.0 * num_layers) if re.search(r"(linear_proj|linear_fc2)\.weight$", name) else std
+    scale = std / math.sqrt(2.0 * num_layers) if init == "normal_scaled" else std
     return torch.randn(shape, generator=generator) * scale
+
+
+def initial_value(
+    name: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int, gate: Optional[GateParam] = None
+) -> torch.Tensor:
+    """The full initial tensor of the parameter with global name `name` (its gate-table entry, if it has one)."""
+    if gate is not None:
+        if tuple(gate.shape) != tuple(shape):
+            raise ValueError(f"gate parameter {name!r} is built {tuple(shape)} but its table entry says {gate.shape}")
+        return _draw(gate.init, name, shape, seed, std, num_layers)
+    return _draw(rule_for(name).init, name, shape, seed, std, num_layers)
 
 
 @torch.no_grad()
@@ -72,15 +142,12 @@ def initialize(model_chunks: list[torch.nn.Module], seed: int, std: float, num_l
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     count = 0
     for chunk in model_chunks:
+        gate_entries = _gate_entries(chunk)
         for name, param in chunk.named_parameters():
-            expert_offset = 0
-            if ".local_experts." in name:
-                local = len(chunk.decoder.layers[int(_LAYER.match(name).group(2))].mlp.experts.local_experts)
-                expert_offset = ep_rank * local
             # expert weights are sharded over the expert-tensor-parallel group, the others over TP
             rank, size = etp if ".experts." in name else tp
-            global_name = _global_name(name, chunk, expert_offset)
-            full = _value(global_name, _full_shape(param, size), seed, std, num_layers)
+            global_name = _global_name(name, chunk, ep_rank)
+            full = initial_value(global_name, _full_shape(param, size), seed, std, num_layers, gate_entries.get(name))
             param.copy_(_shard(full, name, param, rank, size, glu).to(param.dtype))
             count += 1
     return count

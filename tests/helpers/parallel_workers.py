@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable, Optional
+
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 
 from megagate.distributed.parallel import initialize_model_parallel
 from megagate.model import gate as gates
+from megagate.model.attention import GatedSelfAttention
 from megagate.model.build import build_gpt_model, transformer_config
 from megagate.model.config import ParallelConfig, model_preset
 
@@ -71,12 +74,35 @@ def _ddp(module):
     return DistributedDataParallel(module.config, ddp_config, module)
 
 
-def tp_worker(rank: int, world: int, variants: list[str]) -> dict[str, dict[str, float]]:
-    """For each variant: TP=1 and TP=2 models with the same full weights; max |Δ| of losses and gradients."""
+def _checkpoint_mismatches(model: torch.nn.Module) -> list[str]:
+    """Gate parameters whose distributed-checkpoint entry disagrees with the gate table (full shape, local part)."""
+    bad = []
+    for prefix, module in model.named_modules():
+        if not isinstance(module, GatedSelfAttention):
+            continue
+        sharded = module.sharded_state_dict(prefix=f"{prefix}.")
+        for entry in module.gate_params:
+            if entry.in_linear_qkv:
+                continue
+            tensor, param = sharded[f"{prefix}.{entry.name}"], getattr(module, entry.name)
+            if tuple(tensor.global_shape) != entry.shape or tuple(tensor.local_shape) != tuple(param.shape):
+                bad.append(f"{prefix}.{entry.name}: global {tuple(tensor.global_shape)} vs table {entry.shape}")
+    return bad
+
+
+def tp_worker(
+    rank: int, world: int, variants: list[str | gates.GateConfig], setup: Optional[Callable[[], Any]] = None
+) -> dict[str, dict[str, Any]]:
+    """For each variant (a preset name or a GateConfig): TP=1 and TP=2 models with the same full weights; max |Δ| of
+    losses and gradients, and the gate parameters whose checkpoint shapes disagree with the table. `setup` runs
+    first (e.g. registering a variant in this process)."""
+    if setup is not None:
+        setup()
     tokens, labels, position_ids = _batch(512)
     report = {}
     for variant in variants:
-        model = model_preset("tiny", gate=gates.preset(variant))
+        gate = gates.preset(variant) if isinstance(variant, str) else variant
+        model = model_preset("tiny", gate=gate)
         ref = _build(model, ParallelConfig())
         _perturb_(ref, seed=1)
         ref_loss = ref(tokens, position_ids, None, labels=labels)
@@ -97,10 +123,11 @@ def tp_worker(rank: int, world: int, variants: list[str]) -> dict[str, dict[str,
         grad_diff = 0.0
         for name, p in tp.named_parameters():
             grad_diff = max(grad_diff, (_unshard(name, p.main_grad, p, group) - full[name][1]).abs().max().item())
-        report[variant] = {
+        report[variant if isinstance(variant, str) else gate.describe()] = {
             "loss": (loss - ref_loss).abs().max().item(),
             "grad": grad_diff,
             "grad_scale": max(g.abs().max().item() for _, g in full.values()),
+            "checkpoint": _checkpoint_mismatches(tp),
         }
         parallel_state.destroy_model_parallel()
     return report

@@ -23,8 +23,9 @@ def activation(z: torch.Tensor, name: str) -> torch.Tensor:
     return z
 
 
-def gated(y: torch.Tensor, z: torch.Tensor, gate) -> torch.Tensor:
-    s = activation(z, gate.activation)
+def gated(y: torch.Tensor, z: torch.Tensor, gate, score_fn=None) -> torch.Tensor:
+    """`score_fn(z)`, when given, replaces the named activation (for a variant registered by a test)."""
+    s = score_fn(z) if score_fn is not None else activation(z, gate.activation)
     return y * s if gate.combine == "multiplicative" else y + s
 
 
@@ -92,8 +93,10 @@ def module_params(w: dict[str, torch.Tensor], gate, n: int, g: int) -> dict[str,
     return params
 
 
-def attention(x: torch.Tensor, w: dict[str, torch.Tensor], gate, n: int, g: int, eps: float) -> torch.Tensor:
-    """x: [s, b, h] -> [s, b, h]; causal GQA attention with QK RMSNorm and the gate of `gate`."""
+def attention(
+    x: torch.Tensor, w: dict[str, torch.Tensor], gate, n: int, g: int, eps: float, score_fn=None
+) -> torch.Tensor:
+    """x: [s, b, h] -> [s, b, h]; causal GQA attention with QK RMSNorm and the gate of `gate` (see `gated`)."""
     s, b, h = x.shape
     d = w["q"].shape[1]
     q = torch.einsum("sbh,ndh->sbnd", x, w["q"])
@@ -108,11 +111,11 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], gate, n: int, g: int,
         return torch.einsum("sbh,nwh->sbnw", x, w["g"])
 
     if gate.position == "g4":
-        q = gated(q, gate_logits(n), gate)
+        q = gated(q, gate_logits(n), gate, score_fn)
     if gate.position == "g3":
-        k = gated(k, gate_logits(g), gate)
+        k = gated(k, gate_logits(g), gate, score_fn)
     if gate.position == "g2":
-        v = gated(v, gate_logits(g), gate)
+        v = gated(v, gate_logits(g), gate, score_fn)
     q, k = rms(q, w["qn"], eps), rms(k, w["kn"], eps)
     k = k.repeat_interleave(n // g, dim=2)
     v = v.repeat_interleave(n // g, dim=2)
@@ -121,7 +124,7 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], gate, n: int, g: int,
     probs = F.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
     y = torch.einsum("bnst,tbnd->sbnd", probs, v)
     if gate.position == "g1":
-        y = gated(y, gate_logits(n), gate)
+        y = gated(y, gate_logits(n), gate, score_fn)
     if gate.sdpa_norm == "rmsnorm":
         y = rms(y, w["sn"], eps)
     elif gate.sdpa_norm == "silu":
@@ -129,5 +132,5 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], gate, n: int, g: int,
     out = y.reshape(s, b, n * d) @ w["o"].T
     if gate.position == "g5":
         z = w["p"] if "p" in w else x @ w["g5"].T
-        out = gated(out, z, gate)
+        out = gated(out, z, gate, score_fn)
     return out

@@ -1,0 +1,143 @@
+"""The one table of gate parameters: what every gate variant adds to an attention layer.
+
+`gate_parameters(gate, hidden_size, num_heads, num_groups, head_dim)` lists each parameter with its full
+(unsharded) shape, tensor-parallel axis, initial value, role and gradient reduction. That list drives
+
+* construction: `GatedSelfAttention` creates exactly the entries not fused into linear_qkv (shapes per TP rank,
+  megatron's TP attributes, `sequence_parallel` marks), and nothing else;
+* counting: `megagate.model.counts.gate_parameter_count` is the sum over the table (and so the dense models' FFN
+  matching and `megagate variants`);
+* initialisation: `megagate.train.init` gives each gate parameter the table's rule (zeros / ones / normal);
+* checkpointing: `GatedSelfAttention.sharded_state_dict` splits the TP-sharded entries along their axis.
+
+Pure arithmetic on shapes: no megatron, no tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional
+
+from megagate.model.gate import GateConfig
+from megagate.model.qkv_layout import qkv_layout
+
+INIT_RULES = ("zeros", "ones", "normal")  # normal: N(0, init_method_std), the model's std
+# How the attention module uses an entry:
+#   qkv_rows    rows fused into linear_qkv (counted here; linear_qkv builds, initialises and shards them)
+#   projection  a gate projection W, logits = X Wᵀ
+#   logits      input-independent logits (a learned parameter shaped like the scores)
+#   activation  an extra input of the activation, passed to gate.ACTIVATIONS[...].fn by its name
+#   sdpa_norm   the per-head RMSNorm weight of the sdpa_norm='rmsnorm' baseline
+ROLES = ("qkv_rows", "projection", "logits", "activation", "sdpa_norm")
+
+
+class Dims(NamedTuple):
+    """Attention sizes the gate parameters depend on."""
+
+    hidden_size: int
+    num_heads: int
+    num_groups: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class GateParam:
+    """One gate parameter of an attention layer (full, unsharded shape)."""
+
+    name: str  # attribute of GatedSelfAttention ("linear_qkv.weight" for the fused rows)
+    shape: tuple[int, ...]
+    tp_axis: Optional[int]  # the axis split over TP ranks; None: every TP rank holds all of it
+    init: str  # one of INIT_RULES
+    role: str  # one of ROLES
+    # Under sequence parallelism each TP rank sees only its chunk of the sequence, so its gradient is a partial sum
+    # that megatron must all-reduce over TP (megatron does so for parameters marked `sequence_parallel`).
+    sequence_parallel_grad: bool = False
+
+    def __post_init__(self) -> None:
+        if self.init not in INIT_RULES:
+            raise ValueError(f"gate parameter {self.name}: init={self.init!r} is not one of {', '.join(INIT_RULES)}")
+        if self.role not in ROLES:
+            raise ValueError(f"gate parameter {self.name}: role={self.role!r} is not one of {', '.join(ROLES)}")
+        if self.tp_axis is not None and not 0 <= self.tp_axis < len(self.shape):
+            raise ValueError(f"gate parameter {self.name}: tp_axis={self.tp_axis} is not an axis of {self.shape}")
+
+    @property
+    def in_linear_qkv(self) -> bool:
+        """Rows of linear_qkv's weight: counted in the table, built (and sharded) by linear_qkv itself."""
+        return self.role == "qkv_rows"
+
+    @property
+    def checkpoint_axis(self) -> Optional[int]:
+        """The axis GatedSelfAttention.sharded_state_dict splits the entry along (None: replicated, or linear_qkv's)."""
+        return None if self.in_linear_qkv else self.tp_axis
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def local_shape(self, tp_size: int) -> tuple[int, ...]:
+        """The shape one tensor-parallel rank holds (the head/group counts were checked by check_tensor_parallel)."""
+        if self.tp_axis is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.tp_axis] //= tp_size
+        return tuple(shape)
+
+
+def score_parameter(name: str, gate: GateConfig, dims: Dims, init: str, role: str) -> GateParam:
+    """A parameter shaped like one token's gate scores, broadcast over [sq, b]: [heads, w] sharded with the heads,
+    [1, w] for a head-shared gate (replicated), [1, h] at G5 (replicated; under sequence parallelism every rank
+    gates only its sequence chunk)."""
+    if gate.position == "g5":
+        return GateParam(name, (1, dims.hidden_size), None, init, role, sequence_parallel_grad=True)
+    width = gate.width(dims.head_dim)
+    if gate.sharing == "head_shared":
+        # The attention module passes it through copy_to_tensor_model_parallel_region, which sums its gradient over
+        # the TP ranks' heads with or without sequence parallelism.
+        return GateParam(name, (1, width), None, init, role)
+    heads = dims.num_heads if gate.on_query_heads else dims.num_groups
+    return GateParam(name, (heads, width), 0, init, role)
+
+
+def _logit_parameters(gate: GateConfig, dims: Dims) -> list[GateParam]:
+    """Where the gate's logits come from."""
+    h = dims.hidden_size
+    if gate.input == "input_independent":
+        return [score_parameter("gate_param", gate, dims, "zeros", "logits")]
+    if gate.position == "g5":
+        # X W at the hidden width; under SP each rank gates its own sequence chunk
+        return [GateParam("output_gate_weight", (h, h), None, "normal", "projection", sequence_parallel_grad=True)]
+    if gate.sharing == "head_shared":
+        # one projection for every head; with SP the input is gathered along the sequence and each rank applies the
+        # scores to its heads, so megatron sums the gradient over TP (without SP the logits' copy_to region does)
+        width = gate.width(dims.head_dim)
+        return [GateParam("shared_gate_weight", (width, h), None, "normal", "projection", sequence_parallel_grad=True)]
+    rows = qkv_layout(gate, dims.num_heads, dims.num_groups, dims.head_dim).gate_rows
+    return [GateParam("linear_qkv.weight", (rows, h), 0, "normal", "qkv_rows")]
+
+
+# Parameters an activation brings along, by activation name: each callable returns the entries (role "activation")
+# whose names are the keyword arguments of gate.ACTIVATIONS[name].fn. The built-in activations have none.
+ACTIVATION_PARAMETERS: dict[str, Callable[[GateConfig, Dims], list[GateParam]]] = {
+    # "name": lambda gate, dims: [score_parameter("...", gate, dims, init=..., role="activation")],
+}
+
+
+def gate_parameters(
+    gate: GateConfig, hidden_size: int, num_heads: int, num_groups: int, head_dim: int
+) -> list[GateParam]:
+    """Every parameter the gate of `gate` adds to one attention layer, in construction order."""
+    dims = Dims(hidden_size, num_heads, num_groups, head_dim)
+    entries: list[GateParam] = []
+    if gate.enabled:
+        entries += _logit_parameters(gate, dims)
+        extra = ACTIVATION_PARAMETERS.get(gate.activation)
+        if extra is not None:
+            entries += extra(gate, dims)
+    if gate.sdpa_norm == "rmsnorm":
+        entries.append(GateParam("sdpa_norm_weight", (num_heads, head_dim), 0, "ones", "sdpa_norm"))
+    names = [e.name for e in entries]
+    if len(set(names)) != len(names):
+        raise ValueError(f"gate parameter names repeat: {names}")
+    return entries
