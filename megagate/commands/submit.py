@@ -1,7 +1,8 @@
 """`megagate submit CONFIG [overrides] [--nodes N --gpus-per-node G ...] [--dry-run]`.
 
-Renders the batch script for a training config, checks the parallel layout against nodes x GPUs, prints the
-script and submits it with sbatch (or only prints it with --dry-run).
+Reads the training config with the trainer's own loader and checks its layout for nodes x ranks per node (whatever
+the trainer would refuse is refused here, before anything is rendered or queued), renders the batch script, prints it
+and submits it with sbatch (or only prints it with --dry-run).
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ import argparse
 import shlex
 import sys
 
+from megagate.distributed.layout import Layout
 from megagate.errors import ConfigError
-from megagate.slurm.config import apply_overrides, read_parallel_config
-from megagate.slurm.layout import ParallelLayout, check_layout
+from megagate.slurm.check import check_job
 from megagate.slurm.render import render_batch_script
 from megagate.slurm.request import LAUNCHERS, SlurmRequest
 from megagate.slurm.submit import submit
@@ -107,15 +108,6 @@ def request_from_args(args: argparse.Namespace) -> SlurmRequest:
     )
 
 
-def layout_for(request: SlurmRequest, config_path: str, overrides: list[str]) -> ParallelLayout:
-    """Check the config's parallel sizes against the request's nodes x ranks per node (ConfigError if they clash)."""
-    cfg = apply_overrides(read_parallel_config(config_path), overrides)
-    return check_layout(
-        cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.dp, cfg.num_experts, request.nodes, request.ranks_per_node,
-        etp=cfg.etp, per_node_name="gpus-per-node" if request.gpus_per_node else "tasks-per-node",
-    )
-
-
 def train_argv(command: str, config_path: str, overrides: list[str]) -> list[str]:
     """argv after the python executable: the command, then --config CONFIG, then the overrides."""
     argv = shlex.split(command)
@@ -131,12 +123,12 @@ def render_for_config(
     *,
     command: str = DEFAULT_COMMAND,
     launcher: str = "srun",
-) -> tuple[ParallelLayout, str]:
-    """Check the layout, then render the script (the layout goes in its header). Nothing is written."""
-    layout = layout_for(request, config_path, overrides)
+) -> tuple[Layout, str]:
+    """Check the config and its layout as the trainer will, then render the script. Nothing is written."""
+    _, layout = check_job(request, config_path, overrides)
     script = render_batch_script(
         request, train_argv(command, config_path, overrides), launcher=launcher,
-        header=f"config: {config_path}\nlayout: {layout.describe()}",
+        header=f"config: {config_path}\nlayout: {layout.describe()}\nbatch: {layout.describe_batch()}",
     )
     return layout, script
 

@@ -2,19 +2,22 @@
 
 Each grid point is one training run with `key=value` overrides on the same config and its own run directory
 (`OUT/<variant>_lr<lr>_s<seed>`), which the trainer fills with the runfiles schema and `megagate report` reads.
+Every point is read and checked by the trainer's own loader and layout rules before anything runs or is rendered.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from megagate.errors import ConfigError, MegagateError
+from megagate.errors import ConfigError
 
 TRAIN_COMMAND = (sys.executable, "-m", "megagate", "train")
 
@@ -44,8 +47,8 @@ def expand_grid(base_overrides: Sequence[str], lrs: Sequence[float], variants: S
     if not lrs or not variants or not seeds:
         raise ConfigError(f"sweep grid is empty: lrs={list(lrs)}, variants={list(variants)}, seeds={list(seeds)}")
     for lr in lrs:
-        if not isinstance(lr, (int, float)) or not lr > 0:
-            raise ConfigError(f"sweep learning rate {lr!r} must be a positive number")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+            raise ConfigError(f"sweep learning rate {lr!r} must be a positive finite number")
     for variant in variants:
         if variant not in gates.PRESETS:
             raise ConfigError(f"sweep variant {variant!r} is not a gate preset; presets: {', '.join(gates.PRESETS)}")
@@ -64,6 +67,21 @@ def expand_grid(base_overrides: Sequence[str], lrs: Sequence[float], variants: S
         overrides = (*base, f"train.lr={lr!r}", f"model.gate.preset={variant}", f"seed={int(seed)}")
         specs.append(RunSpec(name, overrides, str(Path(out_dir) / name)))
     return specs
+
+
+def check_grid(specs: Sequence[RunSpec], config_path: str, world_size: int = 1) -> None:
+    """Read every grid point with the trainer's loader and check its layout on `world_size` ranks.
+
+    A ConfigError names the first bad point: the grid's own keys (variant, learning rate) can clash with the base.
+    """
+    from megagate import config as config_mod
+
+    for spec in specs:
+        try:
+            cfg = config_mod.load(config_path, [*spec.overrides, f"output.dir={spec.run_dir}"])
+            config_mod.layout(cfg, world_size)
+        except ConfigError as exc:
+            raise ConfigError(f"sweep point {spec.name}: {exc}") from None
 
 
 def run_local(specs: Sequence[RunSpec], config_path: str, command: Sequence[str] = TRAIN_COMMAND,
@@ -95,7 +113,7 @@ def slurm_array(specs: Sequence[RunSpec], config_path: str, request: "SlurmReque
     if request.array is None:
         request = dataclasses.replace(request, array=f"0-{len(specs) - 1}")
     sweep = [[*spec.overrides, f"output.dir={spec.run_dir}"] for spec in specs]
-    header = "\n".join(f"array task {i}: {spec.name}" for i, spec in enumerate(specs))
+    header = "\n".join([f"config: {config_path}", *(f"array task {i}: {spec.name}" for i, spec in enumerate(specs))])
     return render_batch_script(request, ["-m", "megagate", "train", "--config", str(config_path)], launcher,
                                sweep=sweep, header=header)  # fmt: skip
 
@@ -135,21 +153,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megagate import config as config_mod
+
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     specs = expand_grid(args.overrides, args.lrs, variants, args.seeds, args.out)
-    if not Path(args.config).exists():
-        raise MegagateError(f"--config {args.config}: no such file")
-    if args.dry_run:
-        for spec in specs:
-            print(" ".join([*TRAIN_COMMAND[1:], *spec.argv(args.config)]))
-        return 0
+    request = None
     if args.slurm:
-        from megagate.slurm import SlurmRequest, submit, write_script
+        from megagate.slurm import SlurmRequest
 
         array = f"0-{len(specs) - 1}" + (f"%{args.max_parallel}" if args.max_parallel else "")
         request = SlurmRequest(nodes=args.nodes, gpus_per_node=args.gpus_per_node, time=args.time,
                                partition=args.partition, account=args.account, job_name="megagate-sweep",
                                array=array)  # fmt: skip
+    config_mod.load_yaml(args.config)  # a missing or broken file is one error, not one per grid point
+    # local runs are single processes; each array task gets the request's nodes x GPUs ranks
+    check_grid(specs, args.config, request.world_size if request is not None else 1)
+    if args.dry_run:
+        for spec in specs:
+            print(shlex.join([*TRAIN_COMMAND[1:], *spec.argv(args.config)]))  # copy-pasteable, quoted
+        return 0
+    if request is not None:
+        from megagate.slurm import submit, write_script
+
         script = slurm_array(specs, args.config, request)
         if args.script:
             write_script(script, args.script)
@@ -164,5 +189,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["RunSpec", "expand_grid", "run_local", "slurm_array"]
+__all__ = ["RunSpec", "check_grid", "expand_grid", "run_local", "slurm_array"]
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
 from megagate.errors import MegagateError
+from megagate.yamlfile import load_mapping
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -151,16 +152,13 @@ def read_json(path: str | os.PathLike) -> Optional[dict[str, Any]]:
 
 
 def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """The run's resolved config (empty if absent)."""
-    import yaml
+    """The run's resolved config as the trainer wrote it, a plain mapping (empty if absent).
 
+    Only the YAML is read (megagate.yamlfile, the package's one YAML reader), not validated: the readers look up a
+    few keys (`lookup`), and a run written by an older megagate must stay readable.
+    """
     path = Path(run_dir) / CONFIG
-    if not path.exists():
-        return {}
-    data = yaml.safe_load(path.read_text())
-    if data is not None and not isinstance(data, dict):
-        raise MegagateError(f"{path}: expected a mapping at the top level, found {type(data).__name__}")
-    return data or {}
+    return load_mapping(path) if path.exists() else {}
 
 
 def lookup(config: Mapping[str, Any], dotted: str, default: Any = None) -> Any:

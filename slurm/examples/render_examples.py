@@ -2,21 +2,46 @@
 """Render the example batch scripts in this folder from the code (`--check`: fail if any is out of date).
 
     python slurm/examples/render_examples.py [--check]
+
+Each script is rendered the way `megagate submit` (or `megagate sweep --slurm`) renders it, after the same checks: its
+config (under configs/) is read by the trainer's loader and its layout checked for the job's world size.
 """
 
-from __future__ import annotations
-
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
+from megagate.commands import sweep  # noqa: E402
 from megagate.commands.submit import render_for_config  # noqa: E402
-from megagate.slurm import SlurmRequest, render_batch_script, write_script  # noqa: E402
+from megagate.slurm import SlurmRequest, write_script  # noqa: E402
 
 CONFIG_15A2B = "slurm/examples/configs/15a2b_moe.yaml"
 CONFIG_TINY = "slurm/examples/configs/tiny.yaml"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One example script: a request, the config it trains (relative to the repository root) and its overrides."""
+
+    name: str  # file name in this folder
+    request: SlurmRequest
+    config: str
+    overrides: tuple[str, ...] = ()
+    launcher: str = "srun"
+    lrs: tuple[float, ...] = ()  # a job array: one learning rate per array task (`megagate sweep --slurm`)
+
+    def render(self) -> str:
+        """The script text; ConfigError if the trainer would refuse the config on this job's world size."""
+        if not self.lrs:
+            return render_for_config(self.request, self.config, list(self.overrides), launcher=self.launcher)[1]
+        specs = sweep.expand_grid(list(self.overrides), list(self.lrs), ["g1-elementwise"], [0],
+                                  out_dir=f"runs/{self.request.job_name}")  # fmt: skip
+        sweep.check_grid(specs, self.config, self.request.world_size)
+        return sweep.slurm_array(specs, self.config, self.request, self.launcher)
+
 
 MOE_8X8 = SlurmRequest(
     nodes=8, gpus_per_node=8, time="04:00:00", partition="gpu", account="my-account", job_name="15a2b",
@@ -24,25 +49,23 @@ MOE_8X8 = SlurmRequest(
     container_workdir="/lustre/megagate", venv="/lustre/megagate/.venv", signal_lead_s=600,
     extra_sbatch=("--exclusive",), env={"NCCL_SOCKET_IFNAME": "^lo,docker"},
 )
+MOE_8X8_VENV = replace(MOE_8X8, container_image=None, container_mounts=(), container_workdir=None,
+                       venv="/shared/megagate/.venv")  # fmt: skip
+TINY = SlurmRequest(nodes=2, gpus_per_node=0, tasks_per_node=2, time="00:30:00", job_name="tiny", venv=".venv",
+                    signal_lead_s=120, max_restarts=5, env={"GLOO_SOCKET_IFNAME": "lo"})  # fmt: skip
+
+JOBS = (
+    Job("15a2b_8x8.sbatch", MOE_8X8, CONFIG_15A2B),
+    Job("15a2b_8x8_torchrun.sbatch", MOE_8X8_VENV, CONFIG_15A2B, launcher="torchrun"),
+    Job("tiny_2x2.sbatch", TINY, CONFIG_TINY, ("train.train_steps=50",)),
+    Job("tiny_sweep_array.sbatch", replace(TINY, job_name="tiny-sweep", array="0-2%2"), CONFIG_TINY,
+        lrs=(1e-3, 3e-3, 1e-2)),
+)  # fmt: skip
 
 
 def examples() -> dict[str, str]:
-    """file name -> script text."""
-    out: dict[str, str] = {}
-    out["15a2b_8x8.sbatch"] = render_for_config(MOE_8X8, CONFIG_15A2B, [])[1]
-    torchrun = SlurmRequest(**{**MOE_8X8.__dict__, "container_image": None, "container_mounts": (),
-                               "container_workdir": None, "venv": "/shared/megagate/.venv"})
-    out["15a2b_8x8_torchrun.sbatch"] = render_for_config(torchrun, CONFIG_15A2B, [], launcher="torchrun")[1]
-    tiny = SlurmRequest(nodes=2, gpus_per_node=0, tasks_per_node=2, time="00:30:00", job_name="tiny",
-                        venv=".venv", signal_lead_s=120, max_restarts=5, env={"GLOO_SOCKET_IFNAME": "lo"})
-    out["tiny_2x2.sbatch"] = render_for_config(tiny, CONFIG_TINY, ["train.train_iters=50"])[1]
-    sweep = SlurmRequest(**{**tiny.__dict__, "job_name": "tiny-sweep", "array": "0-2%2"})
-    out["tiny_sweep_array.sbatch"] = render_batch_script(
-        sweep, ["-m", "megagate", "train", "--config", CONFIG_TINY],
-        sweep=[["optimizer.lr=1e-3"], ["optimizer.lr=3e-4"], ["optimizer.lr=1e-4"]],
-        header="sweep: one learning rate per array task",
-    )
-    return out
+    """file name -> script text (run from the repository root: the configs are named relative to it)."""
+    return {job.name: job.render() for job in JOBS}
 
 
 def main(argv: list[str]) -> int:
@@ -55,6 +78,10 @@ def main(argv: list[str]) -> int:
         else:
             write_script(text, path)
             print(f"wrote {path.relative_to(HERE.parents[1])}")
+    unknown = sorted({p.name for p in HERE.glob("*.sbatch")} - {job.name for job in JOBS})
+    if unknown:
+        print(f"not rendered by this script: {', '.join(unknown)}; add them to JOBS or remove them", file=sys.stderr)
+        return 1
     if stale:
         print(f"out of date: {', '.join(stale)}; run python slurm/examples/render_examples.py", file=sys.stderr)
         return 1

@@ -3,6 +3,9 @@
     python stand_in.py --config CFG out=DIR [steps=N] [step_time=S] [step_time_restarted=S]
                        [kill_rank=R kill_step=K] [fail_rank=R fail_step=K]
 
+`output.dir=DIR` and `train.train_steps=N` (the trainer's keys, which `megagate submit` validates) mean the same as
+`out=DIR` and `steps=N`.
+
 Every step all-reduces (rank + 1 + step) and adds the sum to a running "weight", so the final weight is a
 checksum of exactly which steps ran: a replayed or skipped step after a restart changes it. Rank 0 checkpoints
 {step, weight} after every step (temp file + os.replace). SIGUSR1/SIGTERM set a flag; the ranks agree on it with
@@ -46,8 +49,8 @@ def _atomic_json(path: Path, data: dict) -> None:
 
 def main(argv: list[str]) -> int:
     opts = dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith("--"))
-    out = Path(opts["out"])
-    steps = int(opts.get("steps", "10"))
+    out = Path(opts.get("out") or opts["output.dir"])
+    steps = int(opts.get("steps") or opts.get("train.train_steps") or "10")
     step_time = float(opts.get("step_time", "0.1"))
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     if restart:

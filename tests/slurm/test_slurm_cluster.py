@@ -178,9 +178,11 @@ def test_megagate_submit_cli(slurm, tmp_path: Path, monkeypatch, capsys) -> None
         monkeypatch.setenv(key, slurm.env[key])
     monkeypatch.chdir(tmp_path)
     config = REPO / "slurm" / "examples" / "configs" / "tiny.yaml"
-    rc = cli.main(["submit", str(config), f"out={tmp_path}", "steps=3", "--nodes", "2", "--gpus-per-node", "0",
-                   "--tasks-per-node", "2", "--time", "5:00", "--signal-lead", "60", "--master-addr", "127.0.0.1",
-                   "--python", sys.executable, "--command", str(STAND_IN), "--job-name", "cli", "step_time=0"])
+    # submit reads the config as the trainer does: the stand-in takes the trainer's keys for its output and steps
+    rc = cli.main(["submit", str(config), f"output.dir={tmp_path}", "train.train_steps=3", "train.warmup_steps=1",
+                   "--nodes", "2", "--gpus-per-node", "0", "--tasks-per-node", "2", "--time", "5:00",
+                   "--signal-lead", "60", "--master-addr", "127.0.0.1", "--python", sys.executable,
+                   "--command", str(STAND_IN), "--job-name", "cli"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "# layout: TP=2 PP=1 CP=1 DP=2 world=4" in captured.out
@@ -196,7 +198,7 @@ def test_megagate_submit_cli(slurm, tmp_path: Path, monkeypatch, capsys) -> None
 
 
 def test_invalid_layout_is_not_submitted(slurm, tmp_path: Path, monkeypatch, capsys) -> None:
-    """(e) TP x PP x CP not dividing nodes x GPUs, or EP not dividing the experts: refused before sbatch."""
+    """(e) TP x PP x CP not dividing nodes x GPUs, EP not dividing the experts or DP x CP: refused before sbatch."""
     from megagate import cli
 
     monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
@@ -205,11 +207,12 @@ def test_invalid_layout_is_not_submitted(slurm, tmp_path: Path, monkeypatch, cap
     moe = str(REPO / "slurm" / "examples" / "configs" / "15a2b_moe.yaml")
     cases = [
         ([moe, "--nodes", "8", "--gpus-per-node", "8", "parallel.expert_model_parallel_size=6"],
-         "EP(6) does not divide the number of experts (128)"),
-        ([moe, "--nodes", "3", "--gpus-per-node", "4", "parallel.tensor_model_parallel_size=8"],
-         "TP(8) x PP(1) x CP(1) = 8 does not divide nodes x gpus-per-node = 3 x 4 = 12"),
+         "parallel.expert_model_parallel_size (6) must divide model.num_experts (128)"),
+        ([moe, "--nodes", "3", "--gpus-per-node", "4", "parallel.pipeline_model_parallel_size=8"],
+         "world size 12 is not divisible by TP (1) x PP (8) x CP (1) = 8"),
         ([moe, "--nodes", "1", "--gpus-per-node", "4"],
-         "ETP(1) x EP(8) x PP(1) = 8 does not divide nodes x gpus-per-node = 1 x 4 = 4 (EP must divide DP x CP = 4)"),
+         "parallel.expert_model_parallel_size (8) must divide DP (4) x CP (1) = 4: megatron's expert grid "
+         "ETP (1) x EP (8) x PP (1) = 8 must divide world size 4"),
     ]
     for argv, message in cases:
         assert cli.main(["submit", *argv]) == 2

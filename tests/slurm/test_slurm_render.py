@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 from megagate.commands import submit as submit_cmd
+from megagate.distributed.layout import layout
 from megagate.errors import ConfigError
+from megagate.model.config import ParallelConfig
+from megagate.model.spec import transformer_engine_available
 from megagate.slurm import (
     SlurmRequest,
-    apply_overrides,
-    check_layout,
+    check_job,
     parse_time_limit,
-    read_parallel_config,
     render_batch_script,
     write_script,
 )
@@ -27,41 +28,51 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG_15A2B = REPO / "slurm" / "examples" / "configs" / "15a2b_moe.yaml"
 
 
-# ---------------------------------------------------------------- layout
+def sizes(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, vpp: int | None = None) -> ParallelConfig:
+    return ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                          expert_model_parallel_size=ep, virtual_pipeline_model_parallel_size=vpp)  # fmt: skip
+
+
+# ---------------------------------------------------------------- layout (megagate.distributed.layout)
 def test_layout_15a2b_on_8x8() -> None:
-    layout = check_layout(tp=1, pp=1, cp=1, ep=8, dp=None, num_experts=128, nodes=8, gpus_per_node=8)
-    assert (layout.dp, layout.expert_dp, layout.world_size) == (64, 8, 64)
-    assert layout.describe() == "TP=1 PP=1 CP=1 DP=64 EP=8 ETP=1 expert-DP=8 experts=128 world=64"
+    lay = layout(sizes(ep=8), 64, micro_batch_size=2, global_batch_size=1024, num_experts=128)
+    assert (lay.dp, lay.expert_dp, lay.world_size, lay.num_microbatches) == (64, 8, 64, 8)
+    assert lay.describe() == "TP=1 PP=1 CP=1 DP=64 EP=8 ETP=1 expert-DP=8 experts=128 world=64"
+    assert lay.describe_batch() == "global 1024 = micro 2 x DP 64 x 8 micro-batches"
 
 
-def test_layout_resolves_dp_and_accepts_matching_dp() -> None:
-    assert check_layout(2, 2, 2, 1, None, 0, 4, 8).dp == 4
-    assert check_layout(2, 2, 2, 1, 4, 0, 4, 8).dp == 4
+def test_layout_resolves_dp() -> None:
+    assert layout(sizes(2, 2, 2), 32, micro_batch_size=1, global_batch_size=4).dp == 4
     # EP divides DP x CP (not only DP): megatron's expert grid is ETP x EP x PP.
-    assert check_layout(2, 1, 2, 4, None, 8, 1, 8).expert_dp == 1
+    lay = layout(sizes(tp=2, cp=2, ep=4), 8, micro_batch_size=1, global_batch_size=2, num_experts=8)
+    assert (lay.dp, lay.expert_dp) == (2, 1)
+    # The interleaved schedule takes micro-batches in groups of PP: 4 per step on PP=2 fits.
+    assert layout(sizes(pp=2, vpp=2), 2, micro_batch_size=1, global_batch_size=4).describe() == \
+        "TP=1 PP=2 CP=1 DP=1 VPP=2 world=2"
 
 
 @pytest.mark.parametrize(
-    "args, kwargs, message",
+    "parallel, world, batch, experts, message",
     [
-        ((2, 4, 1, 1, None, 0, 2, 6), {},
-         "TP(2) x PP(4) x CP(1) = 8 does not divide nodes x gpus-per-node = 2 x 6 = 12"),
-        ((1, 1, 1, 1, 3, 0, 1, 4), {},
-         "TP(1) x PP(1) x CP(1) x DP(3) = 3 does not equal nodes x gpus-per-node = 1 x 4 = 4 (DP would be 4)"),
-        ((1, 1, 1, 6, None, 128, 8, 8), {}, "EP(6) does not divide the number of experts (128)"),
-        ((2, 1, 1, 8, None, 64, 1, 8), {},
-         "ETP(2) x EP(8) x PP(1) = 16 does not divide nodes x gpus-per-node = 1 x 8 = 8 (EP must divide DP x CP = 4)"),
-        ((1, 1, 1, 2, None, 0, 1, 8), {}, "EP(2) > 1 needs a mixture-of-experts model, but model.num_experts is 0"),
-        ((0, 1, 1, 1, None, 0, 1, 8), {}, "TP=0 is invalid: it must be an integer >= 1"),
-        ((1, 1, 1, 1, None, 0, 2, 3), {"per_node_name": "tasks-per-node", "dp": 4},
-         "TP(1) x PP(1) x CP(1) x DP(4) = 4 does not equal nodes x tasks-per-node = 2 x 3 = 6 (DP would be 6)"),
+        (sizes(2, 4), 12, (1, 12), 0, "world size 12 is not divisible by TP (2) x PP (4) x CP (1) = 8"),
+        (sizes(), 4, (4, 8), 0,
+         "train.global_batch_size (8) must be divisible by micro_batch_size (4) x data-parallel size (4) = 16"),
+        (sizes(ep=6), 64, (1, 64), 128, "parallel.expert_model_parallel_size (6) must divide model.num_experts (128)"),
+        (sizes(tp=2, ep=8), 8, (1, 4), 64,
+         "parallel.expert_model_parallel_size (8) must divide DP (4) x CP (1) = 4: megatron's expert grid "
+         "ETP (2) x EP (8) x PP (1) = 16 must divide world size 8"),
+        (sizes(ep=2), 8, (1, 8), 0,
+         "parallel.expert_model_parallel_size (2) needs an MoE model (model.num_experts > 0)"),
+        (sizes(tp=0), 8, (1, 8), 0, "parallel.tensor_model_parallel_size=0 must be >= 1"),
+        (sizes(), 0, (1, 8), 0, "world size 0 must be a positive integer"),
+        (sizes(pp=2, vpp=2), 2, (1, 3), 0,
+         "train.global_batch_size (3) gives 3 micro-batches per step; the interleaved pipeline schedule "
+         "(virtual_pipeline_model_parallel_size=2) needs a multiple of pipeline_model_parallel_size (2)"),
     ],
 )
-def test_layout_errors(args, kwargs, message) -> None:
-    if "dp" in kwargs:
-        args = args[:4] + (kwargs.pop("dp"),) + args[5:]
+def test_layout_errors(parallel, world, batch, experts, message) -> None:
     with pytest.raises(ConfigError) as info:
-        check_layout(*args, **kwargs)
+        layout(parallel, world, micro_batch_size=batch[0], global_batch_size=batch[1], num_experts=experts)
     assert str(info.value) == message
 
 
@@ -97,23 +108,51 @@ def test_request_validation(kwargs, fragment: str) -> None:
     assert "\n" not in str(info.value).replace("\\n", "")
 
 
-# ---------------------------------------------------------------- config
-def test_read_parallel_config(tmp_path: Path) -> None:
-    cfg = read_parallel_config(CONFIG_15A2B)
-    assert (cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.num_experts) == (1, 1, 1, 8, 128)
-    empty = tmp_path / "empty.yaml"
-    empty.write_text("model: {}\n")
-    assert read_parallel_config(empty).num_experts == 0  # absent -> dense
-    over = apply_overrides(cfg, ["parallel.tensor_model_parallel_size=2", "optimizer.lr=1e-3"])
-    assert (over.tp, over.ep) == (2, 8)
+# ---------------------------------------------------------------- config (the trainer's reader)
+def test_check_job_reads_the_config_as_the_trainer(tmp_path: Path) -> None:
+    cfg, lay = check_job(SlurmRequest(nodes=8, gpus_per_node=8), str(CONFIG_15A2B), [])
+    p = cfg.parallel
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
+            p.expert_model_parallel_size, cfg.model.num_experts) == (1, 1, 1, 8, 128)  # fmt: skip
+    assert (lay.dp, lay.num_microbatches, cfg.train.precision) == (64, 8, "bf16")
+    cfg, lay = check_job(SlurmRequest(nodes=8, gpus_per_node=8), str(CONFIG_15A2B),
+                         ["parallel.tensor_model_parallel_size=2"])  # fmt: skip
+    assert (cfg.parallel.tensor_model_parallel_size, lay.dp, lay.ep) == (2, 32, 8)
+    request = SlurmRequest(nodes=8, gpus_per_node=8)
+    # A key the trainer does not know is refused, not ignored.
+    with pytest.raises(ConfigError, match=r"^optimizer is not a config section; sections: model, parallel"):
+        check_job(request, str(CONFIG_15A2B), ["optimizer.lr=1e-3"])
     bad = tmp_path / "bad.yaml"
-    bad.write_text("parallel:\n  tensor_model_parallel_size: two\n")
-    with pytest.raises(ConfigError, match="parallel.tensor_model_parallel_size='two' must be an integer"):
-        read_parallel_config(bad)
-    with pytest.raises(ConfigError, match="does not exist"):
-        read_parallel_config(tmp_path / "missing.yaml")
-    with pytest.raises(ConfigError, match="must be an integer"):
-        apply_overrides(cfg, ["parallel.context_parallel_size=x"])
+    bad.write_text("model: {preset: tiny}\nparallel:\n  tensor_model_parallel_size: two\n")
+    with pytest.raises(ConfigError, match="^parallel.tensor_model_parallel_size='two' must be an integer$"):
+        check_job(request, str(bad), [])
+    with pytest.raises(ConfigError, match=r"^config file '.*missing.yaml' does not exist$"):
+        check_job(request, str(tmp_path / "missing.yaml"), [])
+    with pytest.raises(ConfigError, match="^parallel.context_parallel_size='x' must be an integer$"):
+        check_job(request, str(CONFIG_15A2B), ["parallel.context_parallel_size=x"])
+
+
+@pytest.mark.skipif(transformer_engine_available(), reason="Transformer Engine is installed here")
+def test_container_jobs_leave_machine_checks_to_the_ranks(tmp_path: Path, monkeypatch, capsys) -> None:
+    """fp8 and a blend need TE and files on the machine that runs the job: with an image, that is not this one."""
+    from megagate import cli
+
+    monkeypatch.chdir(tmp_path)
+    machine = ["train.precision=fp8", "data.mock=false", "data.blend=[/lustre/data/web_text_document]",
+               "data.tokenizer=/lustre/tokenizers/qwen3/tokenizer.json"]  # fmt: skip
+    argv = ["submit", str(CONFIG_15A2B), *machine, "--nodes", "8", "--gpus-per-node", "8", "--dry-run"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == ("megagate submit: error: train.precision='fp8' needs Transformer Engine, which "
+                                       "is not installed; use bf16 or fp32\n")  # fmt: skip
+    assert cli.main([*argv, "train.precision=bf16"]) == 2
+    assert capsys.readouterr().err == ("megagate submit: error: data.blend: missing data file "
+                                       "'/lustre/data/web_text_document.bin' (preprocess with `megagate preprocess`)\n")
+    assert cli.main([*argv, "--container-image", "nvcr.io#nvidia/pytorch:25.01-py3"]) == 0
+    assert "train.precision=fp8" in capsys.readouterr().out
+    # what is no property of the machine is still refused with an image
+    assert cli.main([*argv, "--container-image", "img", "train.precison=bf16"]) == 2
+    assert capsys.readouterr().err.startswith("megagate submit: error: train.precison is not a known key; allowed:")
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------- rendering
@@ -238,7 +277,7 @@ def test_cli_refuses_bad_layout_in_one_line(tmp_path: Path, monkeypatch, capsys)
                    "parallel.expert_model_parallel_size=6"])
     err = capsys.readouterr().err
     assert rc == 2
-    assert err == "megagate submit: error: EP(6) does not divide the number of experts (128)\n"
+    assert err == "megagate submit: error: parallel.expert_model_parallel_size (6) must divide model.num_experts (128)\n"
     assert list(tmp_path.iterdir()) == []  # refused before anything was written or submitted
 
 

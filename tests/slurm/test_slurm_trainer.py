@@ -181,33 +181,37 @@ def dry_run(monkeypatch, capsys, tmp_path: Path, argv: list[str]) -> tuple[int, 
 
 
 def test_trainer_preset_sets_submit_expert_count(tmp_path: Path, monkeypatch, capsys) -> None:
-    """The EP checks use the trainer's expert count: explicit model.num_experts, else the preset's, else dense."""
-    from megagate.slurm.config import apply_overrides, read_parallel_config
+    """The EP checks use the trainer's own model config: explicit model.num_experts, else the preset's, else dense."""
+    from megagate.slurm import SlurmRequest, check_job
 
     config = tmp_path / "moe.yaml"
-    config.write_text("model:\n  preset: 15a2b-moe\nparallel:\n  expert_model_parallel_size: 8\n")
-    cfg = read_parallel_config(config)
-    assert (cfg.preset, cfg.num_experts, cfg.ep) == ("15a2b-moe", 128, 8)
-    assert apply_overrides(cfg, ["model.preset=tiny-moe"]).num_experts == 4
-    assert apply_overrides(cfg, ["model.num_experts=64", "model.preset=tiny-moe"]).num_experts == 64  # explicit wins
-    assert read_parallel_config(CONFIG).num_experts == 0  # tiny: dense
+    config.write_text("model:\n  preset: 15a2b-moe\nparallel:\n  expert_model_parallel_size: 8\n"
+                      "train: {micro_batch_size: 1, global_batch_size: 64}\ndata: {mock: true}\n")  # fmt: skip
+    request = SlurmRequest(nodes=8, gpus_per_node=8)
+    cfg, lay = check_job(request, str(config), [])
+    assert (cfg.model.num_experts, lay.ep, lay.expert_dp) == (128, 8, 8)
+    tiny_moe = check_job(request, str(config), ["model.preset=tiny-moe", "parallel.expert_model_parallel_size=4"])[0]
+    assert tiny_moe.model.num_experts == 4
+    explicit = check_job(request, str(config), ["model.num_experts=64", "model.preset=tiny-moe"])[0]
+    assert explicit.model.num_experts == 64  # explicit wins over the preset's
+    assert check_job(SlurmRequest(nodes=1, gpus_per_node=1), str(CONFIG), [])[0].model.num_experts == 0  # tiny: dense
 
     rc, out, err = dry_run(monkeypatch, capsys, tmp_path, [str(config), "--nodes", "8", "--gpus-per-node", "8"])
     assert rc == 0, err
     assert "# layout: TP=1 PP=1 CP=1 DP=64 EP=8 ETP=1 expert-DP=8 experts=128 world=64" in out
     cases = [
         ([str(config), "--nodes", "8", "--gpus-per-node", "8", "parallel.expert_model_parallel_size=6"],
-         "EP(6) does not divide the number of experts (128)"),
+         "parallel.expert_model_parallel_size (6) must divide model.num_experts (128)"),
         ([str(config), "--nodes", "8", "--gpus-per-node", "8", "model.preset=tiny-moe"],
-         "EP(8) does not divide the number of experts (4)"),
+         "parallel.expert_model_parallel_size (8) must divide model.num_experts (4)"),
         ([str(CONFIG), "--nodes", "1", "--gpus-per-node", "2", "parallel.expert_model_parallel_size=2"],
-         "EP(2) > 1 needs a mixture-of-experts model, but model.num_experts is 0"),
+         "parallel.expert_model_parallel_size (2) needs an MoE model (model.num_experts > 0)"),
         ([str(config), "--nodes", "8", "--gpus-per-node", "8", "model.preset=nope"],
-         "model.preset='nope' is unknown; known presets: 1.7b-28l, 1.7b-48l, 15a2b-moe, tiny, tiny-moe"),
+         "model preset 'nope' is unknown; known presets: 1.7b-28l, 1.7b-48l, 15a2b-moe, tiny, tiny-moe"),
     ]
     for argv, message in cases:
         rc, out, err = dry_run(monkeypatch, capsys, tmp_path, argv)
         assert (rc, out, err) == (2, "", f"megagate submit: error: {message}\n")
-    example = REPO / "slurm" / "examples" / "configs" / "15a2b_moe.yaml"  # explicit num_experts: 128
+    example = REPO / "slurm" / "examples" / "configs" / "15a2b_moe.yaml"
     rc, out, err = dry_run(monkeypatch, capsys, tmp_path, [str(example), "--nodes", "8", "--gpus-per-node", "8"])
     assert rc == 0 and "experts=128 world=64" in out
