@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/bench_train.py [--rounds 10] [--steps-per-round 5] [--warmup 3] [--models tiny larger]
 
-Every variant is built with `megagate.train.loop.setup` from examples/tiny_cpu.yaml (megatron GPTModel, DDP,
-DistributedOptimizer, demo data) and stepped with `loop.train_step`, exactly as `megagate train` does. Timing:
+Every variant is built with `megagate.train.components.build_components` from examples/tiny_cpu.yaml (megatron
+GPTModel, DDP, DistributedOptimizer, demo data) and stepped with `Trainer.train_step` (no callbacks: the model's
+step, not the monitor's policy), exactly as `megagate train` steps it. Timing:
   * warm-up steps per variant are run first and not timed (allocator, autograd graph caches, first-touch pages);
   * then rounds: each round steps every variant `--steps-per-round` times, in an order rotated every round, so that a
     machine that gets busier or quieter affects all variants alike;
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import os
 import statistics
 import sys
@@ -58,39 +58,27 @@ def quiet_stdout():
 
 
 def build(variant: str, model_overrides: list[str], out: str, data_dir: str):
-    """A trainer Run for one variant (parallel state re-initialised: megatron keeps one global set)."""
+    """(Trainer without callbacks, its training data) for one variant (parallel state re-initialised: megatron keeps
+    one global set)."""
     from megatron.core import parallel_state
 
     from megagate import config as config_mod
-    from megagate.train import loop
+    from megagate.train import components
+    from megagate.train.trainer import Trainer
 
     overrides = [f"model.gate.preset={variant}", f"output.dir={out}/{variant}", f"data.demo_dir={data_dir}",
                  "train.train_steps=100000", *model_overrides]  # fmt: skip
     cfg = config_mod.load(CONFIG, overrides)
     parallel_state.destroy_model_parallel()
     with quiet_stdout():
-        run = loop.setup(cfg, 1)
-    return run, loop.loader(cfg, run.train_data, 0)
+        parts = components.build_components(cfg, 1)
+    return Trainer(cfg, parts, callbacks=[]), components.loader(cfg, parts.train_data, 0)
 
 
-class NoMonitor:
-    """The spike monitor's hooks as no-ops: the benchmark times the model, not the monitor's policy."""
-
-    def after_backward(self, run, step: int) -> None:
-        pass
-
-    def decide(self, run, step: int, loss: float, grad_norm: float) -> None:
-        return None
-
-
-def timed_step(run, data, step: int) -> float:
-    from megagate.train import loop
-
-    microbatches = [next(data) for _ in range(run.layout.num_microbatches)]
-    # loop.train_step gained the monitor arguments while this was written; accept either signature
-    extra = (NoMonitor(), step) if "monitor" in inspect.signature(loop.train_step).parameters else ()
+def timed_step(trainer, data) -> float:
+    microbatches = [next(data) for _ in range(trainer.layout.num_microbatches)]
     start = time.perf_counter()
-    loop.train_step(run, microbatches, *extra)
+    trainer.train_step(microbatches)
     return time.perf_counter() - start
 
 
@@ -105,11 +93,8 @@ def bench_model(name: str, variants: list[str], args: argparse.Namespace, out: s
           f"{m.num_query_groups} x {m.head_dim}; {tokens_per_step} tokens/step "
           f"({first.train.global_batch_size} x {first.train.seq_length}, "
           f"micro-batch {first.train.micro_batch_size})")  # fmt: skip
-    steps = dict.fromkeys(variants, 0)
-
     def step(v: str) -> float:
-        steps[v] += 1
-        return timed_step(*runs[v], steps[v])
+        return timed_step(*runs[v])
 
     for v in variants:
         for _ in range(args.warmup):

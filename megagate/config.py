@@ -13,12 +13,15 @@ Sections (Megatron-LM's names for the parallel sizes):
     output:     dir
     seed
 
-Every mistake is a `ConfigError` naming the key, the value and what is allowed.
+Every mistake is a `ConfigError` naming the key, the value and what is allowed. This is the only reader of a
+training config: `train` (and its --dry-run), `submit`, `sweep` and `analyze` all load through `load`/`from_dict`,
+and check the layout for a world size with `layout` (megagate.distributed.layout's rules).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -27,10 +30,15 @@ from typing import Any, Mapping, Optional, Union
 
 import yaml
 
+from megagate.distributed import layout as layout_rules
+from megagate.distributed.layout import Layout
 from megagate.errors import ConfigError
 from megagate.model import gate as gates
 from megagate.model.config import ModelConfig, ParallelConfig
 from megagate.model.config import from_dict as model_from_dict
+from megagate.model.qkv_layout import check_tensor_parallel
+from megagate.monitor.config import MonitorConfig
+from megagate.yamlfile import load_mapping
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
@@ -111,7 +119,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = CheckpointSection()
     logging: LoggingSection = LoggingSection()
     output: OutputSection = OutputSection()
-    monitor: dict = field(default_factory=dict)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     seed: int = 1234
     raw: dict = field(default_factory=dict, compare=False, repr=False)  # the merged YAML, for the run directory
 
@@ -122,17 +130,8 @@ class TrainConfig:
 
 # --- loading -------------------------------------------------------------------------------------------------------
 def load_yaml(path: str) -> dict:
-    """The YAML mapping in `path` (ConfigError if missing or not a mapping)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path!r} must hold a mapping of sections, not {type(data).__name__}")
-    return data
+    """The YAML mapping in `path` (ConfigError if missing, not YAML or not a mapping): megagate.yamlfile's reader."""
+    return load_mapping(path)
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -185,6 +184,8 @@ def _check_type(value: Any, annotation: Any, path: str) -> Any:
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}={value!r} must be a number")
+        if not math.isfinite(value):  # YAML's .inf / .nan: no setting of the trainer means anything with them
+            raise ConfigError(f"{path}={value!r} must be a finite number")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):
@@ -235,8 +236,8 @@ def _model(values: Any) -> ModelConfig:
 SECTIONS = ("model", "parallel", "train", "data", "checkpoint", "logging", "output", "monitor", "seed")
 
 
-def from_dict(data: Mapping[str, Any]) -> TrainConfig:
-    """A validated TrainConfig from the merged YAML mapping."""
+def from_dict(data: Mapping[str, Any], *, environment: bool = True) -> TrainConfig:
+    """A validated TrainConfig from the merged YAML mapping (`environment`: see `validate`)."""
     unknown = sorted(set(data) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"{unknown[0]} is not a config section; sections: {', '.join(SECTIONS)}")
@@ -250,17 +251,17 @@ def from_dict(data: Mapping[str, Any]) -> TrainConfig:
         checkpoint=build_section(CheckpointSection, data.get("checkpoint"), "checkpoint"),
         logging=build_section(LoggingSection, data.get("logging"), "logging"),
         output=build_section(OutputSection, data.get("output"), "output"),
-        monitor=_check_type(data.get("monitor") or {}, dict, "monitor"),
+        monitor=MonitorConfig.from_dict(data.get("monitor")),
         seed=_check_type(data.get("seed", 1234), int, "seed"),
         raw=dict(data),
     )
-    validate(cfg)
+    validate(cfg, environment=environment)
     return cfg
 
 
-def load(path: str, overrides: list[str] | None = None) -> TrainConfig:
-    """Load a YAML config, apply overrides and validate."""
-    return from_dict(apply_overrides(load_yaml(path), overrides or []))
+def load(path: str, overrides: list[str] | None = None, *, environment: bool = True) -> TrainConfig:
+    """Load a YAML config, apply overrides and validate (`environment`: see `validate`)."""
+    return from_dict(apply_overrides(load_yaml(path), overrides or []), environment=environment)
 
 
 # --- validation --------------------------------------------------------------------------------------------------
@@ -269,8 +270,13 @@ def _choice(value: str, allowed: tuple[str, ...], path: str) -> None:
         raise ConfigError(f"{path}={value!r} is not one of {', '.join(allowed)}")
 
 
-def validate(cfg: TrainConfig) -> None:
-    """Checks that need no process group (the world size is checked in `layout`)."""
+def validate(cfg: TrainConfig, *, environment: bool = True) -> None:
+    """Checks that need no process group (the world size is checked in `layout`).
+
+    `environment=False` skips what depends on the machine the check runs on (Transformer Engine installed, the
+    data files on disk): for a config judged away from where it runs (a container job's submission, an old run's
+    checkpoint); the trainer always checks everything.
+    """
     t, p, m = cfg.train, cfg.parallel, cfg.model
     _choice(t.precision, PRECISIONS, "train.precision")
     _choice(t.lr_schedule, LR_SCHEDULES, "train.lr_schedule")
@@ -287,39 +293,22 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"train.min_lr ({t.min_lr}) must be in [0, train.lr ({t.lr})]")
     if t.warmup_steps < 0 or t.warmup_steps > t.train_steps:
         raise ConfigError(f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.train_steps ({t.train_steps})]")
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-                 "context_parallel_size"):  # fmt: skip
-        if getattr(p, name) < 1:
-            raise ConfigError(f"parallel.{name}={getattr(p, name)} must be >= 1")
-    tp = p.tensor_model_parallel_size
-    if m.num_attention_heads % tp:
-        raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by "
-                          f"parallel.tensor_model_parallel_size ({tp})")  # fmt: skip
-    if m.num_query_groups % tp:
-        raise ConfigError(f"model.num_query_groups ({m.num_query_groups}) must be divisible by "
-                          f"parallel.tensor_model_parallel_size ({tp})")  # fmt: skip
+    layout_rules.check_parallel(p, m.num_experts)  # sizes >= 1; VPP, SP and EP rules (megatron's, in one place)
+    check_tensor_parallel(m.num_attention_heads, m.num_query_groups, p.tensor_model_parallel_size,
+                          model="model.", parallel="parallel.")  # fmt: skip
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
     chunks = pp * (vpp or 1)
-    if vpp is not None and pp < 2:
-        raise ConfigError(f"parallel.virtual_pipeline_model_parallel_size ({vpp}) needs pipeline_model_parallel_size > 1")
     if m.num_layers % chunks:
         raise ConfigError(f"model.num_layers ({m.num_layers}) must be divisible by pipeline stages x virtual stages ({chunks})")
-    if p.expert_model_parallel_size > 1 and not m.is_moe:
-        raise ConfigError(f"parallel.expert_model_parallel_size ({p.expert_model_parallel_size}) needs an MoE model (model.num_experts > 0)")
-    if m.is_moe and m.num_experts % p.expert_model_parallel_size:
-        raise ConfigError(f"parallel.expert_model_parallel_size ({p.expert_model_parallel_size}) must divide "
-                          f"model.num_experts ({m.num_experts})")  # fmt: skip
     if p.context_parallel_size > 1 and t.backend != "te":
         raise ConfigError(f"parallel.context_parallel_size={p.context_parallel_size} needs Transformer Engine's attention: "
                           "set train.backend=te (megatron's local attention has no context parallelism)")
-    if p.sequence_parallel and tp == 1:
-        raise ConfigError("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1")
-    if t.precision == "fp8":
+    if environment and t.precision == "fp8":
         from megagate.model.spec import transformer_engine_available
 
         if not transformer_engine_available():
             raise ConfigError("train.precision='fp8' needs Transformer Engine, which is not installed; use bf16 or fp32")
-    if t.backend == "te":
+    if environment and t.backend == "te":
         from megagate.model.spec import check_backend
 
         check_backend("te")
@@ -335,40 +324,16 @@ def validate(cfg: TrainConfig) -> None:
         for prefix in parse_blend(d.blend)[0]:
             base = strip_suffix(prefix)
             for suffix in (".bin", ".idx"):
-                if not os.path.exists(base + suffix):
-                    raise ConfigError(f"data.blend: missing data file {base + suffix!r} (preprocess with `megagate preprocess`)")
+                if environment and not os.path.exists(base + suffix):
+                    raise ConfigError(f"data.blend: missing data file {base + suffix!r} "
+                                      "(preprocess with `megagate preprocess`)")  # fmt: skip
+        if environment and not os.path.exists(d.tokenizer):
+            raise ConfigError(f"data.tokenizer: missing tokenizer file {d.tokenizer!r}")
     if cfg.checkpoint.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
 
 
-@dataclass(frozen=True)
-class Layout:
-    """The resolved parallel layout and batch arithmetic for a world size."""
-
-    world_size: int
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    dp: int
-    micro_batch_size: int
-    global_batch_size: int
-    num_microbatches: int
-
-
 def layout(cfg: TrainConfig, world_size: int) -> Layout:
-    """Data-parallel size and micro-batches per step, or a ConfigError naming the sizes that do not fit."""
-    p, t = cfg.parallel, cfg.train
-    tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                      p.context_parallel_size, p.expert_model_parallel_size)  # fmt: skip
-    model_parallel = tp * pp * cp
-    if world_size % model_parallel:
-        raise ConfigError(f"world size {world_size} is not divisible by TP ({tp}) x PP ({pp}) x CP ({cp}) = {model_parallel}")
-    dp = world_size // model_parallel
-    if (dp * cp) % ep:
-        raise ConfigError(f"expert_model_parallel_size ({ep}) must divide DP ({dp}) x CP ({cp}) = {dp * cp}")
-    per_step = t.micro_batch_size * dp
-    if t.global_batch_size % per_step:
-        raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be divisible by micro_batch_size "
-                          f"({t.micro_batch_size}) x data-parallel size ({dp}) = {per_step}")  # fmt: skip
-    return Layout(world_size, tp, pp, cp, ep, dp, t.micro_batch_size, t.global_batch_size, t.global_batch_size // per_step)
+    """The run's layout on `world_size` ranks (megagate.distributed.layout's rules), or a one-line ConfigError."""
+    return layout_rules.layout(cfg.parallel, world_size, micro_batch_size=cfg.train.micro_batch_size,
+                               global_batch_size=cfg.train.global_batch_size, num_experts=cfg.model.num_experts)

@@ -59,13 +59,15 @@ def run(args: argparse.Namespace) -> int:
         install_early()  # before anything slow: a preemption warning during set-up must not kill the process
     cfg = config_mod.load(args.config, args.overrides)
     if args.dry_run:
-        world = args.world_size or int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-        print(describe(cfg, world))
+        world = args.world_size
+        if world is None:
+            world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+        print(describe(cfg, world))  # the layout check of the real run (config_mod.layout) included
         return 0
     import torch
 
     from megagate.distributed import launch
-    from megagate.train.loop import train
+    from megagate.train.trainer import train
 
     if not any(v in os.environ for v in ("RANK", "SLURM_PROCID", "MASTER_PORT")):
         os.environ["MASTER_PORT"] = str(_free_port())  # a single process: any free port, not a fixed one

@@ -1,42 +1,68 @@
 """Fault injection for stability tests: at a chosen step, corrupt the batch, scale the loss or LR, or poison the grads.
 
-The trainer calls the hooks at fixed points of its step (all are no-ops on other steps and when no fault is set):
+The trainer's FaultInjection callback (megagate.train.callbacks) calls these at fixed points of a step (all are
+no-ops on other steps and when no fault is set):
 
-    tokens = faults.batch(step, tokens)            # after fetching the batch
-    loss = faults.loss(step, loss)                 # on the reported loss the monitor sees (gradients unchanged)
-    faults.grads(step, model.parameters())         # after backward, before the grad norm / optimizer step
-    lr = lr * faults.lr_scale(step)                # when setting the LR of this step's update
+    batches = faults.batches(step, batches, vocab) # pre_step: the step's micro-batches, after fetching them
+    faults.grads(step, model.parameters())         # post_backward: before the grad norm / optimizer step
+    loss = faults.loss(step, loss)                 # pre_optim_step: the loss later callbacks (the spike monitor)
+                                                   # judge the step by; gradients and the logged loss unchanged
+    lr = lr * faults.lr_scale(step)                # pre_optim_step: this step's update
 
-Config section `monitor.faults`: a list of {"step": int, "kind": one of KINDS, "factor": float}.
+Config section `monitor.faults`: a list of {"step": int, "kind": one of KINDS, "factor": float} (read by
+`Fault.from_dict`, which refuses unknown keys).
 Each fault fires once: after a rollback the replayed step runs clean, like a transient fault (a rollback that
 skips the offending data must be able to succeed). Fired faults are in `state_dict()` for the checkpoint.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from megagate.errors import ConfigError
 
 KINDS = ("corrupt_batch", "scale_loss", "scale_lr", "nan_grad")
+FIELDS = ("step", "kind", "factor")
+
+
+def check_fault(step: Any, kind: Any, factor: Any, where: str = "fault") -> None:
+    """Raise a one-line ConfigError naming the first invalid value (`where`: the config path of the fault)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"{where}.step={step!r} must be a non-negative integer")
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ConfigError(f"{where}.kind={kind!r} is not one of {', '.join(KINDS)}")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor):
+        raise ConfigError(f"{where}.factor={factor!r} must be a finite number")
 
 
 @dataclass(frozen=True)
 class Fault:
     step: int
     kind: str
-    factor: float = 10.0  # scale_loss / scale_lr multiplier; corrupt_batch: unused
+    factor: float = 10.0  # scale_loss / scale_lr multiplier; corrupt_batch, nan_grad: unused
 
     def __post_init__(self) -> None:
-        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
-            raise ConfigError(f"monitor.faults step={self.step!r} must be a non-negative integer")
-        if self.kind not in KINDS:
-            raise ConfigError(f"monitor.faults kind={self.kind!r} is not one of {', '.join(KINDS)}")
-        if not isinstance(self.factor, (int, float)):
-            raise ConfigError(f"monitor.faults factor={self.factor!r} must be a number")
+        check_fault(self.step, self.kind, self.factor)
+
+    @classmethod
+    def from_dict(cls, item: Any, where: str = "monitor.faults[0]") -> Fault:
+        """A fault from its config mapping, refusing unknown and missing keys (errors name `where`)."""
+        if not isinstance(item, Mapping):
+            raise ConfigError(f"{where} must be a mapping with keys {', '.join(FIELDS)}, not {item!r}")
+        unknown = sorted(set(item) - set(FIELDS), key=str)
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]} is not a known key; allowed: {', '.join(sorted(FIELDS))}")
+        for key in ("step", "kind"):
+            if key not in item:
+                raise ConfigError(f"{where} needs a {key} (kinds: {', '.join(KINDS)})")
+        factor = item.get("factor", 10.0)
+        check_fault(item["step"], item["kind"], factor, where)
+        return cls(item["step"], item["kind"], float(factor))
 
 
 class FaultInjector:
@@ -45,10 +71,6 @@ class FaultInjector:
     def __init__(self, faults: Sequence[Fault] = ()) -> None:
         self.faults = tuple(faults)
         self._fired: set[int] = set()  # indices into self.faults
-
-    @classmethod
-    def from_config(cls, items: Iterable[Mapping[str, Any]] | None) -> "FaultInjector":
-        return cls([Fault(**dict(item)) for item in (items or [])])
 
     def _at(self, step: int, kind: str) -> list[Fault]:
         hits = [i for i, f in enumerate(self.faults) if f.step == step and f.kind == kind and i not in self._fired]
@@ -61,13 +83,21 @@ class FaultInjector:
     def load_state_dict(self, state: dict[str, list[int]]) -> None:
         self._fired = set(state.get("fired", []))
 
-    def batch(self, step: int, tokens: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
-        """corrupt_batch: replace the batch by uniformly random tokens (a reproducible, out-of-distribution batch)."""
+    def batches(self, step: int, microbatches: Sequence[Mapping[str, torch.Tensor]],
+                vocab_size: int) -> list[dict[str, torch.Tensor]]:  # fmt: skip
+        """corrupt_batch: every micro-batch of the step becomes uniformly random text, `tokens` [b, s] and their
+        next-token `labels` (a reproducible, out-of-distribution batch); other entries are kept."""
+        batches = [dict(mb) for mb in microbatches]
         if not self._at(step, "corrupt_batch"):
-            return tokens
-        high = vocab_size or int(tokens.max().item()) + 1
+            return batches
         gen = torch.Generator().manual_seed(1_000_003 + step)
-        return torch.randint(0, high, tokens.shape, generator=gen).to(tokens.device, tokens.dtype)
+        for mb in batches:
+            tokens = mb["tokens"]
+            text = torch.randint(0, vocab_size, (tokens.shape[0], tokens.shape[1] + 1), generator=gen)
+            mb["tokens"] = text[:, :-1].to(tokens.device, tokens.dtype)
+            if "labels" in mb:
+                mb["labels"] = text[:, 1:].to(mb["labels"].device, mb["labels"].dtype)
+        return batches
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         for fault in self._at(step, "scale_loss"):

@@ -13,9 +13,10 @@ Detection, per watched metric (the global value after the data-parallel reductio
   natural outliers are multiplicative, so a ratio to the median is the meaningful deviation. In log space the floor
   is `rel_floor` itself (a relative change); `baseline` is still reported on the metric's own scale.
 
-Defaults were chosen on real loss curves (16 tiny-GPT runs, 300 steps each, lr 1e-3..3e-2, gated and baseline; see
-docs/monitoring.md): the largest clean robust z was 3.7 for the loss and 9.5 for log grad-norm (a tiny model with
-8×64-token batches has grad-norm outliers of 7× the median), hence threshold 8 and 12 for grad_norm.
+Defaults were chosen on the curves of an earlier byte-level test loop (largest clean robust z 3.7 for the loss,
+9.5 for log grad-norm, hence threshold 8 and 12 for grad_norm) and re-measured on 16 clean 200-step runs of the
+trainer (docs/monitoring.md §1.2): largest clean z 5.1 (loss) and 25 (log grad-norm; two natural single-batch
+grad-norm outliers of 5-8x the median, with a flat loss, are reported at the defaults).
 
 A value that raises an event is *not* added to the history, so a spike does not poison its own baseline.
 
@@ -29,8 +30,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any
 
 from megagate.errors import ConfigError, MegagateError
 
@@ -39,6 +41,7 @@ DIRECTIONS = ("up", "both")
 TRANSFORMS = ("none", "log")
 # Larger is more severe: when several metrics fire in one step the trainer takes the most severe action.
 SEVERITY = {action: i for i, action in enumerate(ACTIONS)}
+PER_METRIC = ("metric_thresholds", "abs_ceiling", "direction", "transform")  # fields mapping metric -> setting
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution × 1.4826 = its standard deviation
 STATE_VERSION = 1
 
@@ -74,16 +77,36 @@ class SpikeMonitorConfig:
         validate(self)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any] | None) -> "SpikeMonitorConfig":
-        """Build from a config mapping (lists become tuples), naming unknown keys."""
+    def from_dict(cls, values: Mapping[str, Any] | None) -> SpikeMonitorConfig:
+        """Build from a config mapping (lists become tuples), naming unknown keys and values of the wrong type."""
+        if values is not None and not isinstance(values, Mapping):
+            raise ConfigError(f"monitor.spike must be a mapping, not {values!r}")
         values = dict(values or {})
         fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - fields)
+        unknown = sorted(set(values) - fields, key=str)
         if unknown:
-            raise ConfigError(f"monitor.spike.{unknown[0]} is not a spike-monitor field; fields: {', '.join(sorted(fields))}")
+            raise ConfigError(f"monitor.spike.{unknown[0]} is not a known key; allowed: {', '.join(sorted(fields))}")
+        if "enabled" in values and not isinstance(values["enabled"], bool):
+            raise ConfigError(f"monitor.spike.enabled={values['enabled']!r} must be true or false")
         if "metrics" in values:
             metrics = values["metrics"]
+            if not isinstance(metrics, (str, list, tuple)):
+                raise ConfigError(f"monitor.spike.metrics={metrics!r} must be a metric name or a list of them")
             values["metrics"] = (metrics,) if isinstance(metrics, str) else tuple(metrics)
+        watched = values.get("metrics", cls.metrics)
+        for name in PER_METRIC:
+            if name not in values:
+                continue
+            if not isinstance(values[name], Mapping):
+                raise ConfigError(f"monitor.spike.{name}={values[name]!r} must be a mapping of metric -> value")
+            # A key must be a watched metric, or one the default names (grad_norm: harmless when not watched, and
+            # what to_dict() writes back).
+            default = next(f for f in dataclasses.fields(cls) if f.name == name).default_factory()
+            extra = [m for m in values[name] if m not in watched and m not in default]
+            if extra:
+                raise ConfigError(f"monitor.spike.{name} has {extra[0]!r}, which is not a watched metric "
+                                  f"({', '.join(map(str, watched))})")  # fmt: skip
+            values[name] = dict(values[name])
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -146,8 +169,8 @@ class SpikeEvent:
     step: int
     metric: str
     value: float
-    baseline: Optional[float]  # the robust center of the accepted history, metric scale (None before any history)
-    score: Optional[float]  # robust z-score (inf for non-finite values; None when no baseline yet)
+    baseline: float | None  # the robust center of the accepted history, metric scale (None before any history)
+    score: float | None  # robust z-score (inf for non-finite values; None when no baseline yet)
     action: str
     reason: str  # "non-finite" | "ceiling" | "robust-z" (+ ", escalated: ...")
 
@@ -169,7 +192,7 @@ class RollbackPlan:
     skip_last: int
 
 
-def worst_action(events: Iterable[SpikeEvent]) -> Optional[str]:
+def worst_action(events: Iterable[SpikeEvent]) -> str | None:
     """The most severe action among `events` (None if there are none): one step gets one action."""
     actions = [e.action for e in events]
     return max(actions, key=SEVERITY.__getitem__) if actions else None
@@ -210,7 +233,7 @@ class SpikeMonitor:
     def __init__(self, config: SpikeMonitorConfig | None = None) -> None:
         self.config = config or SpikeMonitorConfig()
         self._history: dict[str, deque[float]] = {m: deque(maxlen=self.config.window) for m in self.config.metrics}
-        self._last_step: Optional[int] = None
+        self._last_step: int | None = None
         self._consecutive = 0  # consecutive steps with an event
         self._backoff = (0, -1)  # lr_backoff active for steps in [first, last]
         # Ledger: survives rollbacks (restore_after_rollback keeps it).
@@ -253,7 +276,7 @@ class SpikeMonitor:
         self._last_step = step
         return events
 
-    def _check(self, step: int, metric: str, value: float) -> Optional[SpikeEvent]:
+    def _check(self, step: int, metric: str, value: float) -> SpikeEvent | None:
         cfg = self.config
         history = self._history[metric]
         log = cfg.transform.get(metric, "none") == "log"

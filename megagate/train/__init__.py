@@ -1,1 +1,1 @@
-"""The trainer: config, loop, checkpoints, metrics, stop conditions (`megagate train`)."""
+"""The trainer (`megagate train`): components (set-up), Trainer (the loop), callbacks, checkpoints, metrics, signals."""

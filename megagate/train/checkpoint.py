@@ -19,7 +19,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ def complete_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest(root: str | os.PathLike) -> Optional[Path]:
+def latest(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under root, or None."""
     found = complete_checkpoints(root)
     return found[-1][1] if found else None

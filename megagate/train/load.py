@@ -60,7 +60,7 @@ def load_model_for_analysis(checkpoint_dir: str | Path) -> tuple[torch.nn.Module
     from megagate.model.build import build_gpt_model, transformer_config
     from megagate.model.config import ParallelConfig
     from megagate.train import checkpoint as ckpt
-    from megagate.train.loop import precision_kwargs, resolve_backend
+    from megagate.train.components import precision_kwargs, resolve_backend
 
     path = Path(checkpoint_dir)
     if not path.is_dir():
@@ -72,7 +72,8 @@ def load_model_for_analysis(checkpoint_dir: str | Path) -> tuple[torch.nn.Module
     meta = ckpt.read_meta(path)
     if not isinstance(meta.get("config"), dict):
         raise MegagateError(f"checkpoint {str(path)!r}: {ckpt.META} has no run config")
-    cfg = config_mod.from_dict(meta["config"])
+    # The trainer's reader and checks, minus this machine's: the run's data files need not be here to analyse it.
+    cfg = config_mod.from_dict(meta["config"], environment=False)
     tokenizer_path = _run_tokenizer(cfg.data)
     if tokenizer_path is None:
         raise MegagateError(f"checkpoint {str(path)!r}: the run has no tokenizer (mock data?) to encode text with")

@@ -9,14 +9,14 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from megagate.monitor import runfiles
 
 
-def peak_tflops_per_gpu() -> Optional[float]:
+def peak_tflops_per_gpu() -> float | None:
     """Dense bf16 peak of the local GPU (for MFU), when known."""
     if not torch.cuda.is_available():
         return None
@@ -42,10 +42,10 @@ class Metrics:
             self.writer = SummaryWriter(log_dir=f"{run_dir}/tensorboard")
         self.peak = peak_tflops_per_gpu()
         self._start = time.perf_counter()
-        self._first_step: Optional[int] = None
+        self._first_step: int | None = None
 
     def train_step(self, step: int, loss: float, lr: float, grad_norm: float, step_time: float,
-                   extra: Optional[dict[str, float]] = None) -> None:  # fmt: skip
+                   extra: dict[str, float] | None = None) -> None:  # fmt: skip
         if not self.enabled:
             return
         if self._first_step is None:

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Optional
 
 import torch
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_early: Optional[int] = None  # a stop signal that arrived before the loop's handlers existed
+_early: int | None = None  # a stop signal that arrived before the loop's handlers existed
 
 
 def install_early() -> None:
@@ -29,10 +28,10 @@ def install_early() -> None:
 
 
 class StopConditions:
-    def __init__(self, wall_time_limit: Optional[float], install_handlers: bool = True) -> None:
+    def __init__(self, wall_time_limit: float | None, install_handlers: bool = True) -> None:
         self.deadline = None if wall_time_limit is None else time.monotonic() + wall_time_limit
-        self.received: Optional[int] = _early
-        self.reason: Optional[str] = None
+        self.received: int | None = _early
+        self.reason: str | None = None
         self._previous = {}
         if install_handlers:
             for sig in STOP_SIGNALS:

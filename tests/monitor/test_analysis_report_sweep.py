@@ -1,22 +1,22 @@
-"""Offline analysis, run reports and sweeps: real tiny models, real run files, real subprocesses and scripts."""
+"""Offline analysis, run reports and sweeps: real tiny models, run directories written by the real trainer, real
+subprocesses and scripts."""
 
 import argparse
 import json
 import math
+import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import tiny_train
 
+from helpers import tiny_model, trainer_jobs
 from megagate.commands import analyze as analyze_cmd
 from megagate.commands import sweep
 from megagate.errors import ConfigError, MegagateError
 from megagate.monitor import analyze, diagnostics, report, runfiles
-from megagate.monitor.events import EventLog
-from megagate.monitor.spike import SpikeMonitor
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -31,8 +31,8 @@ def assert_png(path: Path) -> None:
 
 # --- analyze -----------------------------------------------------------------------------------------------------
 def test_analyze_model_table_and_plots(megatron_world, tmp_path):
-    model = tiny_train.build("g1-elementwise", seed=0)
-    tokens = tiny_train.batch_at(0, 2, 32)[:, :-1]
+    model = tiny_model.build("g1-elementwise", seed=0)
+    tokens = tiny_model.text_tokens(2, 32)
     table = analyze.analyze_model(model, tokens, tmp_path)
     diags = diagnostics.collect(model, tokens)
     lines = table.splitlines()
@@ -58,29 +58,30 @@ def test_analyze_command_refuses_a_folder_that_is_no_checkpoint(tmp_path):
 
 
 # --- report over real run directories ---------------------------------------------------------------------------
-def write_run(run_dir: Path, lr: float, preset: str, seed: int, steps: int = 60, fault_step: int | None = None) -> None:
-    """A run directory in the trainer's schema, from a real tiny training run with the monitor in warn mode."""
-    from megagate.monitor.faults import Fault, FaultInjector
-
-    run_dir.mkdir(parents=True)
-    runfiles.write_atomic(run_dir / runfiles.CONFIG,
-                          f"seed: {seed}\ntrain:\n  lr: {lr}\nmodel:\n  gate:\n    preset: {preset}\n")  # fmt: skip
-    faults = FaultInjector([Fault(fault_step, "scale_loss", 10.0)]) if fault_step else None
-    res = tiny_train.train(steps, lr=lr, preset=preset, seed=seed, monitor=SpikeMonitor(), faults=faults)
-    for step, (loss, gn) in enumerate(zip(res.losses, res.grad_norms), start=1):
-        runfiles.write_metrics(run_dir, step, "train", loss=loss, lr=lr, grad_norm=gn, tokens_per_s=1000.0)
-    runfiles.write_metrics(run_dir, steps, "valid", loss=res.losses[-1], ppl=math.exp(res.losses[-1]))
-    EventLog(run_dir / runfiles.EVENTS).write(res.events)
-    for rec in diagnostics.records(steps, diagnostics.collect(res.model, tiny_train.batch_at(999, 2, 32)[:, :-1])):
-        runfiles.append_jsonl(run_dir / runfiles.DIAGNOSTICS, rec)
-    runfiles.write_summary(run_dir, steps, res.losses[-1], res.losses[-1],
-                           runfiles.is_diverged(res.losses[0], res.losses[-1]))  # fmt: skip
+def trainer_run(preset: str, fault_step: int | None = None) -> list[str]:
+    """60 trainer steps at LR 3e-3, seed 0, the spike monitor in warn mode, one diagnostics probe at the end."""
+    section = {"spike": {"action": "warn"}, "diagnostics": {"interval": 60},
+               "faults": [{"step": fault_step, "kind": "scale_loss", "factor": 10}] if fault_step else []}  # fmt: skip
+    return [*trainer_jobs.TINY, "train.train_steps=60", "logging.tensorboard=false", "train.lr=0.003", "seed=0",
+            f"model.gate.preset={preset}", "monitor=" + json.dumps(section)]  # fmt: skip
 
 
-def test_report_aggregates_real_runs(megatron_world, tmp_path):
+@pytest.fixture(scope="module")
+def report_runs(tmp_path_factory):
+    """Two run directories written by `megagate train`: G1 with a loss spike injected at step 45, and the baseline."""
+    demo = trainer_jobs.demo_data(tmp_path_factory)
+    jobs = {"g1_lr0.003": trainer_run("g1-elementwise", fault_step=45), "base_lr0.003": trainer_run("baseline")}
+    runs = trainer_jobs.run_jobs(tmp_path_factory, demo, jobs)
+    for name, run in runs.items():
+        assert run.rc == 0, f"{name}: {run.log[-3000:]}"
+    return runs
+
+
+@pytest.mark.slow  # two 60-step trainer runs: ~30 s on 2 cores
+def test_report_aggregates_real_runs(report_runs, tmp_path):
     sweep_dir = tmp_path / "sweep"
-    write_run(sweep_dir / "g1_lr0.003", 3e-3, "g1-elementwise", 0, fault_step=45)
-    write_run(sweep_dir / "base_lr0.003", 3e-3, "baseline", 0)
+    for name, run in report_runs.items():  # a sweep folder: one run directory per point, named by the point
+        shutil.copytree(run.dir, sweep_dir / name, ignore=shutil.ignore_patterns("checkpoints", "data_cache"))
     # a diverged run: NaN loss from step 5, no summary (it crashed)
     bad = sweep_dir / "base_lr1"
     bad.mkdir()

@@ -111,13 +111,13 @@ def test_analysis_reproduces_the_live_diagnostics(trained: Path, megatron_world)
     from megagate import config as config_mod
     from megagate.monitor import diagnostics
     from megagate.train import checkpoint as ckpt
-    from megagate.train import loop
+    from megagate.train import components
     from megagate.train.load import load_model_for_analysis
 
     model, _ = load_model_for_analysis(trained)
     cfg = config_mod.from_dict(ckpt.read_meta(trained)["config"])
-    _, valid = loop.build_data(cfg, config_mod.layout(cfg, 1))
-    probe = next(loop.loader(cfg, valid, 0))  # the trainer's probe: the first validation micro-batch
+    _, valid = components.build_data(cfg, config_mod.layout(cfg, 1))
+    probe = next(components.loader(cfg, valid, 0))  # the trainer's probe: the first validation micro-batch
     ours = diagnostics.records(STEPS, diagnostics.collect(model, probe["tokens"], probe["position_ids"]))
     lines = (trained.parent.parent / "diagnostics.jsonl").read_text().splitlines()
     logged = [json.loads(line) for line in lines]

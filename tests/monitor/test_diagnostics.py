@@ -1,18 +1,19 @@
-"""Diagnostics on constructed inputs with known answers, and through real tiny megatron GPT models."""
+"""Diagnostics on constructed inputs with known answers, and through real tiny megatron GPT models (megagate.model,
+initialised by the trainer's initialiser; real-text tokens)."""
 
 import math
 
 import pytest
 import torch
-from helpers import tiny_train
 
+from helpers import tiny_model
 from megagate.monitor import diagnostics as D
 
 SEQ = 24
 
 
 def tokens(batch=2, seq=SEQ, index=0):
-    return tiny_train.batch_at(index, batch, seq)[:, :-1]
+    return tiny_model.text_tokens(batch, seq, index)
 
 
 # --- pure attention math ----------------------------------------------------------------------------------------
@@ -60,7 +61,7 @@ def test_max_logit_matches_explicit_loops():
 # --- through the real model -------------------------------------------------------------------------------------
 def test_recomputed_attention_reproduces_core_attention_output(megatron_world):
     """The probe's logits (from what core_attention receives) are the ones the model uses: softmax·V == its output."""
-    model = tiny_train.build("g1-elementwise", seed=3)
+    model = tiny_model.build("g1-elementwise", seed=3)
     model.eval()
     captured = {}
     core = model.decoder.layers[1].self_attention.core_attention
@@ -80,7 +81,7 @@ def test_recomputed_attention_reproduces_core_attention_output(megatron_world):
 
 def test_zero_qkv_weights_give_known_answers(megatron_world):
     """linear_qkv = 0: gate logits 0 -> sigmoid scores exactly 0.5; q = k = 0 -> uniform attention, logits 0."""
-    model = tiny_train.build("g1-elementwise", seed=1)
+    model = tiny_model.build("g1-elementwise", seed=1)
     for layer in model.decoder.layers:
         torch.nn.init.zeros_(layer.self_attention.linear_qkv.weight)
     model.train()
@@ -98,7 +99,7 @@ def test_zero_qkv_weights_give_known_answers(megatron_world):
 
 
 def test_input_independent_gate_with_known_parameters(megatron_world):
-    model = tiny_train.build("g1-input-independent", seed=1)
+    model = tiny_model.build("g1-input-independent", seed=1)
     low, high = 0.05, 0.8
     for layer in model.decoder.layers:
         param = layer.self_attention.gate_param  # [heads, head_dim], broadcast over sq and b
@@ -112,7 +113,7 @@ def test_input_independent_gate_with_known_parameters(megatron_world):
 
 
 def test_m_act_matches_next_layer_input_and_final_norm_input(megatron_world):
-    model = tiny_train.build("baseline", seed=2)
+    model = tiny_model.build("baseline", seed=2)
     seen = {}
     hooks = [
         model.decoder.layers[1].register_forward_pre_hook(
@@ -129,7 +130,7 @@ def test_m_act_matches_next_layer_input_and_final_norm_input(megatron_world):
 
 
 def test_no_hooks_remain_and_errors_clean_up(megatron_world):
-    model = tiny_train.build("g1-elementwise", seed=0)
+    model = tiny_model.build("g1-elementwise", seed=0)
     D.collect(model, tokens())
 
     def instrumented():
@@ -152,7 +153,7 @@ def test_sparse_scores_histogram_and_tensorboard(megatron_world, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 
-    model = tiny_train.build("g1-headwise", seed=0)
+    model = tiny_model.build("g1-headwise", seed=0)
     diags = D.collect(model, tokens(), keep_attn_map=True)
     scalars = D.to_scalars(diags)
     assert scalars["diag/f_attn"] == pytest.approx((diags[0].f_attn + diags[1].f_attn) / 2)

@@ -26,6 +26,12 @@ CONFIG = str(ROOT / "examples" / "tiny_cpu.yaml")
         (["model.gate.position=g5", "model.gate.granularity=headwise"], "gate.granularity='headwise' is invalid with gate.position='g5'"),
         (["parallel.expert_model_parallel_size=2"], "needs an MoE model"),
         (["colours.x=1"], "colours is not a config section"),
+        (["monitor.spike.treshold=3"], "monitor.spike.treshold is not a known key; allowed: abs_ceiling, action,"),
+        (["monitor.faults=[{step: 3, kind: melt}]"], "monitor.faults[0].kind='melt' is not one of corrupt_batch,"),
+        (["monitor.faults=[{step: 3, kind: nan_grad, strength: 2}]"],
+         "monitor.faults[0].strength is not a known key; allowed: factor, kind, step"),
+        (["monitor.diagnostics.every=5"], "monitor.diagnostics.every is not a known key; allowed: interval"),
+        (["monitor.alarm=1"], "monitor.alarm is not a known key; allowed: diagnostics, faults, spike"),
     ],
 )
 def test_bad_config_is_one_line(capsys, args, message):
@@ -48,6 +54,18 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
     assert "train.seq_length (100000) exceeds model.max_sequence_length (128)" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_monitor_typo_refused_before_anything_is_built(tmp_path):
+    """A spike-monitor key typo stops a real launch at config reading: exit 2, one line, no run directory."""
+    proc = subprocess.run([sys.executable, "-m", "megagate", "train", "--config", CONFIG, "monitor.spike.treshold=3",
+                           f"output.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "megagate train: error: monitor.spike.treshold is not a known key; allowed: abs_ceiling, action, center_window, "
+        "direction, enabled, lr_backoff_factor, lr_backoff_steps, max_consecutive, max_rollbacks, metric_thresholds, "
+        "metrics, min_history, rel_floor, rollback_skip_steps, threshold, transform, window"]  # fmt: skip
+    assert not (tmp_path / "run").exists()
 
 
 def test_missing_config_file(capsys):

@@ -12,9 +12,9 @@ TensorBoard) and `megagate analyze` on a trained checkpoint.
 
 The 30-step runs share one trainer configuration; they differ only in `monitor.spike.action`, the fault and the
 checkpoint interval, so each is compared with the clean run step by step. To pay megatron's import time once,
-they run one after the other inside a single child process (`python THIS_FILE JOBS.json` calls
-`megagate.cli.main(["train", ...])` for each); the abort run is a separate `python -m megagate train` process
-(exit code and stderr are what it tests) started at the same time.
+they run one after the other inside a single child process (helpers.trainer_jobs: `megagate.cli.main(["train",
+...])` for each, cached for the session: tests/monitor/test_spike.py reuses clean200); the abort run is a separate
+`python -m megagate train` process (exit code and stderr are what it tests) started at the same time.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from typing import Any
 import pytest
 import torch
 
+from helpers import trainer_jobs
+
 # The module's runs take ~40 s of CPU (about 1 minute on 2 idle cores, 2+ minutes on a loaded machine).
 pytestmark = pytest.mark.slow
 
@@ -40,9 +42,8 @@ STEPS = 30
 K_SKIP, K_ROLLBACK, K_BACKOFF, K_ABORT = 12, 17, 14, 12
 BACKOFF_FACTOR, BACKOFF_STEPS = 0.5, 5
 DIAG_INTERVAL = 5
-BASE = [f"train.train_steps={STEPS}", "train.seq_length=64", "train.micro_batch_size=8", "train.global_batch_size=8",
-        "train.warmup_steps=3", "train.eval_interval=0", "train.eval_iters=1", "logging.interval=1"]  # fmt: skip
-DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+BASE = trainer_jobs.TINY  # train_steps 30, seq 64, one micro-batch of 8, warm-up 3, logging every step
+DIST_VARS = trainer_jobs.DIST_VARS
 
 
 def monitor(action: str, faults: list[dict] | None = None, **spike: Any) -> str:
@@ -53,19 +54,19 @@ def monitor(action: str, faults: list[dict] | None = None, **spike: Any) -> str:
 
 
 def train_args(out: Path, demo_dir: Path, *overrides: str) -> list[str]:
-    return ["--config", str(CONFIG), *BASE, f"data.demo_dir={demo_dir}", f"output.dir={out}", *overrides]
+    return ["--config", str(CONFIG), *overrides, f"data.demo_dir={demo_dir}", f"output.dir={out}"]
 
 
 SCENARIOS: dict[str, list[str]] = {
-    "clean": [monitor("warn"), "checkpoint.interval=5"],
-    "skip": [monitor("skip", [{"step": K_SKIP, "kind": "nan_grad"}]), "checkpoint.interval=1",
+    "clean": [*BASE, monitor("warn"), "checkpoint.interval=5"],
+    "skip": [*BASE, monitor("skip", [{"step": K_SKIP, "kind": "nan_grad"}]), "checkpoint.interval=1",
              "checkpoint.keep_last=100"],  # fmt: skip
-    "rollback": [monitor("rollback", [{"step": K_ROLLBACK, "kind": "scale_loss", "factor": 10}]),
+    "rollback": [*BASE, monitor("rollback", [{"step": K_ROLLBACK, "kind": "scale_loss", "factor": 10}]),
                  "checkpoint.interval=5", "checkpoint.keep_last=100"],  # fmt: skip
-    "lr_backoff": [monitor("lr_backoff", [{"step": K_BACKOFF, "kind": "scale_loss", "factor": 10}],
-                           lr_backoff_factor=BACKOFF_FACTOR, lr_backoff_steps=BACKOFF_STEPS)],  # fmt: skip
+    "lr_backoff": [*BASE, monitor("lr_backoff", [{"step": K_BACKOFF, "kind": "scale_loss", "factor": 10}],
+                                  lr_backoff_factor=BACKOFF_FACTOR, lr_backoff_steps=BACKOFF_STEPS)],  # fmt: skip
     # the default monitor (spike: warn at the default thresholds), 200 steps of seq 64 x batch 8
-    "clean200": ["train.train_steps=200", "logging.tensorboard=false"],
+    "clean200": trainer_jobs.CLEAN_200,
 }
 
 
@@ -75,61 +76,23 @@ def _child_env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def run_jobs_in_this_process(spec: Path) -> None:
-    """Child-process entry: run each job of `spec` with megagate.cli.main, console output to its log file."""
-    from megagate import cli
-
-    for job in json.loads(spec.read_text()):
-        for var in DIST_VARS:  # each run is a fresh single-process job (the CLI picks a free port)
-            os.environ.pop(var, None)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        saved = os.dup(1), os.dup(2)
-        start = time.perf_counter()
-        with open(job["log"], "w") as log:
-            os.dup2(log.fileno(), 1)
-            os.dup2(log.fileno(), 2)
-            try:
-                rc = cli.main(["train", *job["argv"]])
-            except BaseException:  # noqa: BLE001 - recorded for the test to report
-                import traceback
-
-                traceback.print_exc()
-                rc = 99
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os.dup2(saved[0], 1)
-                os.dup2(saved[1], 2)
-        Path(job["rc"]).write_text(str(rc))
-        print(f"{Path(job['log']).stem}: rc {rc}, {time.perf_counter() - start:.1f} s", flush=True)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, session_demo_dir: Path) -> dict[str, Any]:
     """Run dirs of the 30-step scenarios (+ 'abort': the CompletedProcess-like result of the abort run)."""
     base = tmp_path_factory.mktemp("monitor-actions")
-    jobs = [{"argv": train_args(base / name, session_demo_dir, *extra), "log": str(base / f"{name}.log"),
-             "rc": str(base / f"{name}.rc")} for name, extra in SCENARIOS.items()]  # fmt: skip
-    spec = base / "jobs.json"
-    spec.write_text(json.dumps(jobs))
-    abort_args = train_args(base / "abort", session_demo_dir, "logging.tensorboard=false",
+    abort_args = train_args(base / "abort", session_demo_dir, *BASE, "logging.tensorboard=false",
                             monitor("abort", [{"step": K_ABORT, "kind": "scale_loss", "factor": 10}]))  # fmt: skip
     start = time.perf_counter()
-    batch = subprocess.Popen([sys.executable, __file__, str(spec)], cwd=ROOT, env=_child_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    abort = subprocess.run([sys.executable, "-m", "megagate", "train", *abort_args], cwd=ROOT, env=_child_env(),
-                           capture_output=True, text=True, timeout=600)  # fmt: skip
-    batch_out, _ = batch.communicate(timeout=600)
-    elapsed = time.perf_counter() - start
-    result: dict[str, Any] = {"abort": abort, "abort_dir": base / "abort", "seconds": elapsed}
-    for name in SCENARIOS:
-        rc_file = base / f"{name}.rc"
-        log = (base / f"{name}.log").read_text() if (base / f"{name}.log").exists() else ""
-        rc = rc_file.read_text() if rc_file.exists() else f"missing (exit {batch.returncode}):\n{batch_out[-3000:]}"
-        assert rc == "0", f"scenario {name} failed: rc {rc}\n{log[-4000:]}"
-        result[name] = base / name
-        result[f"{name}_log"] = log
+    abort = subprocess.Popen([sys.executable, "-m", "megagate", "train", *abort_args], cwd=ROOT, env=_child_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    jobs = trainer_jobs.run_jobs(tmp_path_factory, session_demo_dir, SCENARIOS)
+    stdout, stderr = abort.communicate(timeout=600)
+    result: dict[str, Any] = {"abort": subprocess.CompletedProcess(abort.args, abort.returncode, stdout, stderr),
+                              "abort_dir": base / "abort", "seconds": time.perf_counter() - start}  # fmt: skip
+    for name, job in jobs.items():
+        assert job.rc == 0, f"scenario {name} failed: rc {job.rc}\n{job.log[-4000:]}"
+        result[name] = job.dir
+        result[f"{name}_log"] = job.log
     return result
 
 
@@ -221,6 +184,8 @@ def test_rollback_restores_checkpoint_and_drops_the_batch(runs: dict) -> None:
     assert [records[i]["loss"] for i in range(1, K_ROLLBACK)] == [clean[i]["loss"] for i in range(1, K_ROLLBACK)]
     # ... and differs from the spike step on: step K trains on batch K+1
     assert all(records[i]["loss"] != clean[i]["loss"] for i in range(K_ROLLBACK, STEPS + 1))
+    # the restored LR schedule goes on by step (megatron's scheduler load adds step counts: reset before a restore)
+    assert [records[i]["lr"] for i in range(1, STEPS + 1)] == [clean[i]["lr"] for i in range(1, STEPS + 1)]
     assert (run / "checkpoints" / f"iter_{STEPS:07d}").is_dir()
 
 
@@ -259,7 +224,7 @@ def test_live_diagnostics_jsonl_and_tensorboard(runs: dict) -> None:
     run = runs["clean"]
     records = [json.loads(line) for line in (run / "diagnostics.jsonl").read_text().splitlines()]
     expected_steps = list(range(DIAG_INTERVAL, STEPS + 1, DIAG_INTERVAL))
-    assert sorted({(r["step"], r["layer"]) for r in records}) == [(s, l) for s in expected_steps for l in (0, 1)]
+    assert sorted({(r["step"], r["layer"]) for r in records}) == [(s, layer) for s in expected_steps for layer in (0, 1)]
     for r in records:
         assert 0.0 < r["gate_score_mean"] < 1.0 and 0.0 <= r["gate_sparsity"] <= 1.0
         assert 0.0 < r["f_attn"] < 1.0
@@ -291,6 +256,3 @@ def test_clean_200_steps_raise_no_spike_event(runs: dict) -> None:
     assert summary(run)["spikes"] == 0 and summary(run)["diverged"] is False
     assert records[200]["loss"] < records[1]["loss"] - 1.5  # it trained (7.6 -> ~5.x)
 
-
-if __name__ == "__main__":
-    run_jobs_in_this_process(Path(sys.argv[1]))

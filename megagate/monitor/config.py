@@ -1,0 +1,77 @@
+"""The `monitor` config section, typed: the spike monitor, fault injection and live diagnostics.
+
+    monitor:
+      spike: {action: warn|skip|rollback|lr_backoff|abort, threshold: 8, ...}   # SpikeMonitorConfig
+      faults: [{step: 30, kind: scale_loss, factor: 10}]                     # Fault (stability tests)
+      diagnostics: {interval: 50}                                           # every N steps on a fixed probe batch
+
+`MonitorConfig.from_dict` refuses unknown keys at every level, and values of the wrong type, with a one-line
+ConfigError naming the key and what is allowed, so a typo stops `megagate train --dry-run` before anything is
+built. The trainer's callbacks (megagate.train.callbacks) carry the settings out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from megagate.errors import ConfigError
+from megagate.monitor.faults import Fault
+from megagate.monitor.spike import SpikeMonitorConfig
+
+SECTIONS = ("spike", "faults", "diagnostics")
+
+
+def _mapping(values: Any, path: str) -> dict:
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{path} must be a mapping, not {values!r}")
+    return dict(values)
+
+
+@dataclass(frozen=True)
+class DiagnosticsConfig:
+    """Live diagnostics (`monitor.diagnostics`): gate scores, F-Attn, M-Act, max logit on a fixed probe batch."""
+
+    interval: int = 0  # steps between probes (0: off)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 0:
+            raise ConfigError(f"monitor.diagnostics.interval={self.interval!r} must be a non-negative integer")
+
+    @classmethod
+    def from_dict(cls, values: Any) -> DiagnosticsConfig:
+        values = _mapping(values, "monitor.diagnostics")
+        unknown = sorted(set(values) - {"interval"}, key=str)
+        if unknown:
+            raise ConfigError(f"monitor.diagnostics.{unknown[0]} is not a known key; allowed: interval")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """The whole `monitor` section."""
+
+    spike: SpikeMonitorConfig = field(default_factory=SpikeMonitorConfig)
+    faults: tuple[Fault, ...] = ()
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+
+    @classmethod
+    def from_dict(cls, section: Any) -> MonitorConfig:
+        """The typed section from the config mapping (None or {} gives the defaults: spike monitor in warn mode)."""
+        section = _mapping(section, "monitor")
+        unknown = sorted(set(section) - set(SECTIONS), key=str)
+        if unknown:
+            raise ConfigError(f"monitor.{unknown[0]} is not a known key; allowed: {', '.join(sorted(SECTIONS))}")
+        faults = section.get("faults")
+        if faults is None:
+            faults = []
+        if not isinstance(faults, (list, tuple)):
+            raise ConfigError(f"monitor.faults must be a list of {{step, kind, factor}} mappings, not {faults!r}")
+        return cls(
+            spike=SpikeMonitorConfig.from_dict(section.get("spike")),
+            faults=tuple(Fault.from_dict(item, f"monitor.faults[{i}]") for i, item in enumerate(faults)),
+            diagnostics=DiagnosticsConfig.from_dict(section.get("diagnostics")),
+        )

@@ -1,0 +1,37 @@
+"""The Trainer's callbacks: the interface (`Callback`) and the built-in ones `megagate train` runs.
+
+    base.py      Callback: the hooks and their order
+    metrics.py   MetricsLogger (config.yaml, metrics.jsonl, TensorBoard, console), RunSummary (summary.json)
+    cadence.py   StopChecks (signals, wall time, exit_after_steps), Evaluation, Checkpointing
+    monitor.py   FaultInjection, SpikeMonitoring (skip / rollback / lr_backoff / abort), LiveDiagnostics
+"""
+
+from __future__ import annotations
+
+from megagate.config import TrainConfig
+from megagate.train.callbacks.base import Callback
+from megagate.train.callbacks.cadence import Checkpointing, Evaluation, StopChecks, evaluate
+from megagate.train.callbacks.metrics import MetricsLogger, RunSummary
+from megagate.train.callbacks.monitor import FaultInjection, LiveDiagnostics, SpikeMonitoring
+
+
+def default_callbacks(cfg: TrainConfig) -> list[Callback]:
+    """The callbacks of `megagate train`, in the order that matters:
+
+    metrics before everything that logs through its writer; faults before the spike monitor (it judges the
+    faulted loss; LR factors multiply in this order); evaluation before checkpointing (a checkpoint holds the state
+    after an evaluation of the same step); the summary last (it reports the final validation).
+    """
+    m = cfg.monitor
+    callbacks: list[Callback] = [StopChecks(), MetricsLogger()]
+    if m.faults:
+        callbacks.append(FaultInjection(m.faults))
+    if m.spike.enabled:
+        callbacks.append(SpikeMonitoring(m.spike))
+    if m.diagnostics.interval:
+        callbacks.append(LiveDiagnostics(m.diagnostics.interval))
+    return callbacks + [Evaluation(), Checkpointing(), RunSummary()]
+
+
+__all__ = ["Callback", "Checkpointing", "Evaluation", "FaultInjection", "LiveDiagnostics", "MetricsLogger",
+           "RunSummary", "SpikeMonitoring", "StopChecks", "default_callbacks", "evaluate"]  # fmt: skip

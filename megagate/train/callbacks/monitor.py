@@ -1,0 +1,148 @@
+"""megagate.monitor in the trainer: the spike monitor and its actions, fault injection, live diagnostics.
+
+The spike monitor callback owns every action: `skip` vetoes the update, `lr_backoff` scales the LR of the
+updates in its window, `rollback` restores the latest checkpoint and moves the data past the dropped window,
+`abort` vetoes the update and stops the run with an error (the final checkpoint and summary.json are written by
+the Checkpointing and RunSummary callbacks). It decides in pre_optim_step, once the global loss and gradient norm
+are known and before anything is applied.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megagate.monitor import diagnostics, runfiles
+from megagate.monitor.events import EventLog
+from megagate.monitor.faults import Fault, FaultInjector
+from megagate.monitor.spike import SpikeAbort, SpikeMonitor, SpikeMonitorConfig, worst_action
+from megagate.train import checkpoint as ckpt
+from megagate.train import components as parts
+from megagate.train.callbacks.base import Callback
+from megagate.train.callbacks.metrics import MetricsLogger
+from megagate.train.metrics import log
+
+if TYPE_CHECKING:
+    from megagate.train.trainer import StepOutput, Trainer, Update
+
+
+def _writer(trainer: Trainer) -> Any:
+    logger = trainer.callback(MetricsLogger)
+    return None if logger is None else logger.writer
+
+
+class SpikeMonitoring(Callback):
+    """`monitor.spike`: detection on the global loss and grad norm, events.jsonl, and the configured action."""
+
+    state_key = "monitor"
+
+    def __init__(self, config: SpikeMonitorConfig) -> None:
+        self.monitor = SpikeMonitor(config)
+        self.events: EventLog | None = None
+
+    def on_start(self, trainer: Trainer) -> None:
+        if trainer.logging_rank:
+            self.events = EventLog(Path(trainer.cfg.output.dir) / runfiles.EVENTS, _writer(trainer))
+        trainer.summary["spikes"] = self.monitor.num_events
+
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        # batches are numbered by the step that reads them in an uninterrupted run; rollbacks skip windows of them
+        trainer.seek((self.monitor.data_index(step) - 1) * trainer.cfg.train.global_batch_size)
+
+    def pre_optim_step(self, trainer: Trainer, update: Update) -> None:
+        step = update.step
+        events = self.monitor.observe(step, {"loss": update.loss, "grad_norm": update.grad_norm})
+        if events and self.events is not None:
+            self.events.write(events)
+        trainer.summary["spikes"] = self.monitor.num_events
+        update.scale_lr(self.monitor.lr_scale(step))  # 1 outside a backoff window
+        action = worst_action(events)
+        if action == "skip":
+            update.skip()
+        elif action == "rollback":
+            self._rollback(trainer, step)
+        elif action == "abort":
+            update.skip()
+            trainer.stop("aborted by the spike monitor", SpikeAbort(
+                f"training aborted by the spike monitor at step {step} (loss {update.loss:.4g}, grad norm "
+                f"{update.grad_norm:.4g}); checkpoint saved in {trainer.checkpointer.root}"))  # fmt: skip
+
+    def _rollback(self, trainer: Trainer, step: int) -> None:
+        path = trainer.latest_checkpoint()
+        if path is None:
+            raise SpikeAbort(f"spike at step {step} asks for a rollback, but {trainer.checkpointer.root} has no "
+                             f"checkpoint")  # fmt: skip
+        plan = self.monitor.rollback_plan(step, int(ckpt.read_meta(path)["step"]))
+        meta = trainer.restore(path)
+        saved = meta.get(f"x_{self.state_key}") or SpikeMonitor(self.monitor.config).state_dict()
+        self.monitor.restore_after_rollback(saved, plan, step)
+        log(f"rollback: spike at step {step}; restored step {plan.restore_step} from {path}; "
+            f"dropping batches {plan.skip_first}-{plan.skip_last}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.monitor.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.monitor.load_state_dict(state)
+
+
+class FaultInjection(Callback):
+    """`monitor.faults`: corrupt a step's batch, poison a gradient, scale the loss the monitor sees, or the LR.
+
+    Put it before SpikeMonitoring: the loss it scales is the one the monitor judges.
+    """
+
+    state_key = "faults"
+
+    def __init__(self, faults: Sequence[Fault]) -> None:
+        self.injector = FaultInjector(faults)
+
+    def pre_step(self, trainer: Trainer, step: int, microbatches: list[dict]) -> list[dict]:
+        return self.injector.batches(step, microbatches, trainer.cfg.model.vocab_size)
+
+    def post_backward(self, trainer: Trainer, step: int) -> None:
+        self.injector.grads(step, [p for chunk in trainer.model for p in chunk.parameters()])
+
+    def pre_optim_step(self, trainer: Trainer, update: Update) -> None:
+        update.loss = float(self.injector.loss(update.step, update.loss))
+        update.scale_lr(self.injector.lr_scale(update.step))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.injector.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.injector.load_state_dict(state)
+
+
+class LiveDiagnostics(Callback):
+    """`monitor.diagnostics.interval`: the paper's Table-4 statistics on a fixed probe batch (the first validation
+    micro-batch: comparable across steps and runs) to diagnostics.jsonl and TensorBoard (`diag/...`)."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.probe: dict | None = None
+        self.writer: Any = None
+
+    def on_start(self, trainer: Trainer) -> None:
+        self.writer = _writer(trainer)
+        self.probe = next(parts.loader(trainer.cfg, trainer.components.valid_data, 0))
+
+    def post_step(self, trainer: Trainer, output: StepOutput) -> None:
+        if output.step % self.interval or trainer.stop_reason is not None:
+            return
+        from megatron.core import parallel_state
+
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            return  # the probe forward needs the whole model on this rank (PP=1)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        diags = diagnostics.collect(trainer.model[0], self.probe["tokens"].to(device),
+                                    self.probe["position_ids"].to(device))  # fmt: skip
+        if trainer.logging_rank:
+            if self.writer is not None:
+                diagnostics.log_to_tensorboard(self.writer, output.step, diags)
+            for record in diagnostics.records(output.step, diags):
+                runfiles.append_jsonl(os.path.join(trainer.cfg.output.dir, runfiles.DIAGNOSTICS), record)

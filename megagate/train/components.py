@@ -1,0 +1,235 @@
+"""The set-up half of training: model chunks, megatron DDP, DistributedOptimizer, LR scheduler, data, loaders.
+
+`build_components(cfg, world_size)` initialises megatron's parallel state and returns `Components`; the
+Trainer (megagate.train.trainer) steps them. Nothing here knows about the loop or its callbacks, so analysis
+(megagate.train.load) and benchmarks can build what they need from here alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megagate import config as config_mod
+from megagate.config import Layout, TrainConfig
+from megagate.errors import ConfigError
+from megagate.model.build import build_gpt_model, transformer_config
+
+
+@dataclass
+class Components:
+    """The built parts of one training run."""
+
+    cfg: TrainConfig
+    layout: Layout
+    model: list  # unwrapped model chunks (one per virtual pipeline stage)
+    ddp: list  # the same chunks wrapped in megatron's DistributedDataParallel
+    optimizer: Any  # megatron's (Distributed)Optimizer
+    scheduler: Any  # megatron's OptimizerParamScheduler
+    train_data: Any  # megatron datasets
+    valid_data: Any
+
+
+# --- precision and backend ---------------------------------------------------------------------------------------
+def resolve_backend(cfg: TrainConfig) -> str:
+    """'te' or 'local' (auto: Transformer Engine when it imports and a GPU is present)."""
+    from megagate.model.spec import transformer_engine_available
+
+    if cfg.train.backend != "auto":
+        return cfg.train.backend
+    return "te" if torch.cuda.is_available() and transformer_engine_available() else "local"
+
+
+def precision_kwargs(cfg: TrainConfig) -> tuple[torch.dtype, dict]:
+    """(parameter dtype, extra TransformerConfig arguments) of `train.precision` (fp8: TE's recipe options)."""
+    t = cfg.train
+    if t.precision == "fp32":
+        return torch.float32, {}
+    extra: dict[str, Any] = {}
+    if t.precision == "fp8":
+        extra = dict(fp8="hybrid", fp8_recipe=t.fp8_recipe, fp8_margin=t.fp8_margin,
+                     fp8_amax_history_len=t.fp8_amax_history_len, fp8_amax_compute_algo=t.fp8_amax_compute_algo)  # fmt: skip
+    return torch.bfloat16, extra
+
+
+# --- model, DDP, optimizer ---------------------------------------------------------------------------------------
+def build_model_chunks(cfg: TrainConfig) -> list:
+    """This rank's model chunks (one per virtual pipeline stage), initialised layout-independently."""
+    from megatron.core import parallel_state
+
+    from megagate.train import init
+
+    dtype, extra = precision_kwargs(cfg)
+    tconfig = transformer_config(cfg.model, cfg.parallel, params_dtype=dtype, **extra)
+    backend = resolve_backend(cfg)
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunk = build_gpt_model(
+            cfg.model,
+            tconfig,
+            backend=backend,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            vp_stage=stage,
+        )
+        if torch.cuda.is_available():
+            chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
+    init.initialize(chunks, cfg.seed, cfg.model.init_method_std, cfg.model.num_layers)
+    return chunks
+
+
+def wrap_ddp(cfg: TrainConfig, chunks: list) -> list:
+    """megatron's DistributedDataParallel around each chunk (bucketing on the first only, as megatron-LM does)."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.train.use_distributed_optimizer,
+        check_for_nan_in_grad=False,  # the spike monitor sees non-finite gradients and decides what to do
+    )
+    return [
+        DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def build_optimizer(cfg: TrainConfig, ddp: list) -> tuple[Any, Any]:
+    """(megatron optimizer: AdamW with clipping, OptimizerParamScheduler counting samples)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    t = cfg.train
+    dtype, _ = precision_kwargs(cfg)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
+            bf16=dtype == torch.bfloat16, params_dtype=dtype,
+            use_distributed_optimizer=t.use_distributed_optimizer,
+        ),  # fmt: skip
+        ddp,
+    )
+    gbs = t.global_batch_size
+    style = {"cosine": "cosine", "wsd": "WSD", "linear": "linear", "constant": "constant"}[t.lr_schedule]
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=t.warmup_steps * gbs,
+        lr_decay_steps=t.train_steps * gbs,
+        lr_decay_style=style,
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=t.train_steps * gbs,
+        wd_incr_style="constant",
+        wsd_decay_steps=(t.wsd_decay_steps or max(1, t.train_steps // 5)) * gbs if style == "WSD" else None,
+        lr_wsd_decay_style="linear" if style == "WSD" else None,
+    )
+    return optimizer, scheduler
+
+
+# --- data ----------------------------------------------------------------------------------------------------------
+def build_data(cfg: TrainConfig, layout: Layout) -> tuple[Any, Any]:
+    """(train, valid) megatron datasets for the run."""
+    from megagate.data.loader import build_datasets
+
+    d, t = cfg.data, cfg.train
+    blend, tokenizer = d.blend, d.tokenizer
+    if d.demo and not blend:
+        from megagate.data.demo import prepare_demo_data
+
+        tokenizer, prefix = _rank0_first(lambda: prepare_demo_data(d.demo_dir, d.demo_vocab_size, d.demo_max_bytes))
+        blend = [prefix]
+    if tokenizer is not None:
+        from megagate.data.tokenizer import load_tokenizer
+
+        vocab = load_tokenizer(tokenizer).vocab_size
+        if vocab > cfg.model.vocab_size:
+            raise ConfigError(f"the tokenizer has {vocab} tokens but model.vocab_size is {cfg.model.vocab_size}")
+    gbs = t.global_batch_size
+    evaluations = (t.train_steps // t.eval_interval if t.eval_interval else 0) + 1
+    # the test split is not used in training: one epoch of it (a sample count on an empty split never ends)
+    num_samples = (t.train_steps * gbs, evaluations * t.eval_iters * gbs, None)
+    train, valid, _ = build_datasets(
+        blend, tokenizer=tokenizer, seq_length=t.seq_length, num_samples=num_samples, split=d.split,
+        seed=cfg.seed, cache_dir=d.cache_dir or os.path.join(cfg.output.dir, "data_cache"), mock=d.mock,
+        mock_vocab_size=cfg.model.vocab_size,
+    )  # fmt: skip
+    return train, valid
+
+
+def _rank0_first(fn: Callable[[], Any]) -> Any:
+    """Run fn on global rank 0 first (it may build cached files), then on the others."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank == 0:
+        result = fn()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    if rank != 0:
+        result = fn()
+    return result
+
+
+def loader(cfg: TrainConfig, dataset: Any, consumed_samples: int) -> Iterator[dict]:
+    """This data-parallel rank's micro-batches of `dataset`, starting after `consumed_samples` global samples."""
+    from megatron.core import parallel_state
+
+    from megagate.data.loader import build_loader
+
+    return iter(build_loader(
+        dataset, cfg.train.micro_batch_size, kind=cfg.data.loader, seed=cfg.seed, consumed_samples=consumed_samples,
+        data_parallel_rank=parallel_state.get_data_parallel_rank(),
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+    ))  # fmt: skip
+
+
+# --- the whole set -------------------------------------------------------------------------------------------------
+def layout_key(cfg: TrainConfig, layout: Layout) -> dict:
+    """The parallel layout as stored in a checkpoint (a resume under another one reshards, without the RNG)."""
+    return {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "dp": layout.dp, "cp": layout.cp,
+            "vpp": cfg.parallel.virtual_pipeline_model_parallel_size}  # fmt: skip
+
+
+def is_logging_rank() -> bool:
+    """The rank that writes run files: last pipeline stage, first tensor- and data-parallel rank."""
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
+
+
+def build_components(cfg: TrainConfig, world_size: int) -> Components:
+    """megatron's parallel state for an initialised torch.distributed world, then every part of the run."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from megagate.distributed import megatron_cpu
+    from megagate.distributed.parallel import initialize_model_parallel
+
+    layout = config_mod.layout(cfg, world_size)
+    megatron_cpu.install()
+    megatron_cpu.fix_torch_adam_checkpoint_load()
+    initialize_model_parallel(cfg.parallel, seed=cfg.seed)
+    chunks = build_model_chunks(cfg)
+    ddp = wrap_ddp(cfg, chunks)
+    optimizer, scheduler = build_optimizer(cfg, ddp)
+    tconfig = chunks[0].config
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    tconfig.grad_scale_func = optimizer.scale_loss
+    tconfig.no_sync_func = [c.no_sync for c in ddp] if len(ddp) > 1 else ddp[0].no_sync
+    train_data, valid_data = build_data(cfg, layout)
+    return Components(cfg, layout, chunks, ddp, optimizer, scheduler, train_data, valid_data)

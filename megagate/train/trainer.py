@@ -1,0 +1,311 @@
+"""The Trainer: megatron's forward-backward schedule, gradient finalisation, optimizer step and LR schedule, with
+callbacks around them (the OLMo-core pattern).
+
+The loop knows only steps. Logging, evaluation, checkpoint cadence, stop conditions, the spike monitor's actions,
+fault injection and live diagnostics are callbacks (megagate.train.callbacks) that act through the hooks of
+`Callback` and a few generic operations of the trainer:
+
+    stop(reason, error=None)   end the run before the next step (on_end still runs; `error` is raised afterwards)
+    seek(samples)              the next step reads the training data from this global sample position
+    save_checkpoint()          a checkpoint of this state (model, optimizer, scheduler, RNG, data position, and
+                               every callback's state_dict under "x_<state_key>")
+    restore(path)              load a checkpoint into the running trainer; the current step is dropped
+    forward_backward(...)      megatron's schedule over micro-batches (forward_only for evaluation)
+
+and, from pre_optim_step, on the `Update` it is given: `skip()` the update, `scale_lr(factor)` of this update.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megagate.config import TrainConfig
+from megagate.errors import MegagateError
+from megagate.train import checkpoint as ckpt
+from megagate.train import components as parts
+from megagate.train.metrics import log
+
+if TYPE_CHECKING:
+    from megagate.train.callbacks import Callback
+
+
+@dataclass
+class Update:
+    """This step's update before it is applied (pre_optim_step): callbacks may veto it or scale its LR.
+
+    `loss` and `grad_norm` are the global values (mean over micro-batches and data-parallel ranks; the norm after
+    the reduction), what callbacks judge the step by. A callback may replace them for the callbacks after it
+    (fault injection does); the logged values stay the computed ones.
+    """
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr_scale: float = 1.0
+    skipped: bool = False
+
+    def skip(self) -> None:
+        """Do not apply this update (weights and optimizer state stay as they are; the data moves on)."""
+        self.skipped = True
+
+    def scale_lr(self, factor: float) -> None:
+        """Multiply this update's LR (from the schedule) by `factor`; factors of several callbacks multiply."""
+        self.lr_scale *= factor
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What post_step callbacks see of a finished step."""
+
+    step: int
+    loss: float  # global mean training loss, as computed
+    grad_norm: float  # global gradient norm before clipping
+    lr: float  # the LR of the update (after scale_lr)
+    step_time: float  # seconds, data loading included
+    applied: bool  # False: the update was skipped (by a callback, or by the optimizer on non-finite gradients)
+
+
+class Trainer:
+    """Steps the components of a run with the callbacks' hooks around each step (every rank runs the same calls)."""
+
+    def __init__(self, cfg: TrainConfig, components: parts.Components, callbacks: Sequence[Callback] = ()) -> None:
+        self.cfg = cfg
+        self.components = components
+        self.layout = components.layout
+        self.model, self.ddp = components.model, components.ddp
+        self.optimizer, self.scheduler = components.optimizer, components.scheduler
+        self.callbacks = list(callbacks)
+        keys = [cb.state_key for cb in self.callbacks if cb.state_key]
+        if len(keys) != len(set(keys)):
+            raise MegagateError(f"two callbacks share a checkpoint state key: {sorted(keys)}")
+        self.checkpointer = ckpt.Checkpointer(cfg.checkpoint_dir, cfg.checkpoint.keep_last, cfg.checkpoint.optimizer_format)
+        self.logging_rank = parts.is_logging_rank()
+        self.step = self.start_step = 0  # completed steps (start_step: when this launch began)
+        self.consumed_samples = 0  # the data position: global samples consumed (or skipped) before the next step
+        self.stop_reason: str | None = None
+        self.error: BaseException | None = None
+        self.summary: dict[str, Any] = {"steps": 0, "final_loss": None, "final_valid_loss": None, "stopped": None}
+        self.first_loss: float | None = None
+        self._data: Iterator[dict] | None = None
+        self._data_position = -1  # where self._data reads next
+        self._seek: int | None = None  # a data position asked for by seek(), taken when the next step reads
+        self._restored = False
+
+    # --- the loop --------------------------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        """Resume if a checkpoint exists, train to train.train_steps or until a callback stops; the run summary."""
+        self._resume()
+        try:
+            self._call("on_start")
+            while self.step < self.cfg.train.train_steps and self.stop_reason is None:
+                self._call("on_step_start", self.step + 1)
+                if self.stop_reason is not None:
+                    break
+                start = time.perf_counter()
+                microbatches = self._next_microbatches()
+                for cb in self.callbacks:
+                    microbatches = cb.pre_step(self, self.step + 1, microbatches)
+                output = self.train_step(microbatches, start)
+                if output is not None:  # None: a callback restored a checkpoint instead
+                    self._call("post_step", output)
+            self._call("on_end")
+        finally:
+            self._call("on_close")
+        if self.error is not None:
+            raise self.error
+        return self.summary
+
+    def train_step(self, microbatches: list[dict], start: float | None = None) -> StepOutput | None:
+        """One optimizer step on this step's micro-batches; None if a callback restored a checkpoint during it."""
+        step, start = self.step + 1, time.perf_counter() if start is None else start
+        for chunk in self.ddp:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss = self.forward_backward(microbatches, forward_only=False)
+        self._call("post_backward", step)
+        # Callbacks decide before anything is applied: gradients are reduced and their global norm is known.
+        self.scheduler.step(increment=0)  # this update's LR from the schedule (a previous step may have scaled it)
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        update = Update(step, loss, grad_norm)
+        self._restored = False
+        for cb in self.callbacks:
+            cb.pre_optim_step(self, update)
+            if self._restored:
+                return None
+        if update.lr_scale != 1.0:
+            for group in self.optimizer.param_groups:
+                group["lr"] *= update.lr_scale
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        applied = False
+        if not update.skipped:
+            applied, _, _ = self.optimizer.step()  # prepares the same gradients again, clips and updates
+            if applied:
+                self.scheduler.step(increment=self.cfg.train.global_batch_size)
+        self.step, self.consumed_samples = step, self.consumed_samples + self.cfg.train.global_batch_size
+        self.first_loss = loss if self.first_loss is None else self.first_loss
+        self.summary.update(steps=step, final_loss=loss)
+        return StepOutput(step, loss, grad_norm, lr, time.perf_counter() - start, applied)
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, *args)
+
+    def _next_microbatches(self) -> list[dict]:
+        if self._seek is not None:
+            self.consumed_samples, self._seek = self._seek, None
+        if self._data is None or self._data_position != self.consumed_samples:
+            self._data = parts.loader(self.cfg, self.components.train_data, self.consumed_samples)
+        batches = [next(self._data) for _ in range(self.layout.num_microbatches)]
+        self._data_position = self.consumed_samples + self.cfg.train.global_batch_size
+        return batches
+
+    # --- generic operations for callbacks --------------------------------------------------------------------------
+    @property
+    def completed(self) -> bool:
+        """True when the run reached train.train_steps without a stop."""
+        return self.stop_reason is None and self.step >= self.cfg.train.train_steps
+
+    def stop(self, reason: str, error: BaseException | None = None) -> None:
+        """End the run before the next step; on_end runs (a final checkpoint), then `error` is raised if given."""
+        if self.stop_reason is None:
+            self.stop_reason, self.summary["stopped"] = reason, reason
+        self.error = self.error or error
+
+    def seek(self, samples: int) -> None:
+        """Read the next step's batch from global sample position `samples` (e.g. past a dropped data window).
+
+        Taken when that step reads its data: a stop before it leaves the position (and the checkpoint) as it was.
+        """
+        self._seek = int(samples)
+
+    def callback(self, kind: type) -> Any:
+        """The first callback of this type, or None."""
+        return next((cb for cb in self.callbacks if isinstance(cb, kind)), None)
+
+    def latest_checkpoint(self) -> Path | None:
+        return ckpt.latest(self.checkpointer.root)
+
+    def save_checkpoint(self) -> Path:
+        """Checkpoint the current state (a collective call: every rank must make it)."""
+        meta = {
+            "consumed_samples": self.consumed_samples,
+            "scheduler": self.scheduler.state_dict(),
+            "layout": parts.layout_key(self.cfg, self.layout),
+            "optimizer_format": self.cfg.checkpoint.optimizer_format,
+            "config": self.cfg.raw,
+            **{f"x_{cb.state_key}": cb.state_dict() for cb in self.callbacks if cb.state_key},
+        }
+        path = self.checkpointer.save(self.step, self.model, self.optimizer, meta)
+        log(f"saved checkpoint {path}")
+        return path
+
+    def restore(self, path: Path) -> dict[str, Any]:
+        """Load checkpoint `path` (same layout) into the running trainer and return its metadata.
+
+        Model, optimizer, scheduler, RNG, step and data position are restored; callback states are *not* (each
+        callback that wants its saved state reads `meta["x_<state_key>"]`). Called from pre_optim_step, it drops
+        the current step: no update, no post_step, the loop continues after the restored step.
+        """
+        meta = self._load(path, same_layout=True)
+        self._restored = True
+        return meta
+
+    def _load(self, path: Path, same_layout: bool) -> dict[str, Any]:
+        meta = self.checkpointer.load(path, self.model, self.optimizer, same_layout=same_layout)
+        # megatron's load_state_dict *adds* the saved step count to the scheduler's own (right only for a fresh
+        # one): a restore in a running trainer would otherwise jump the schedule forward, to min_lr
+        self.scheduler.num_steps = 0
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.step, self.consumed_samples = int(meta["step"]), int(meta["consumed_samples"])
+        self.summary["steps"] = self.step
+        self._data, self._seek = None, None
+        return meta
+
+    def _resume(self) -> None:
+        path = self.latest_checkpoint()
+        if path is not None and self.cfg.checkpoint.load:
+            saved_layout = ckpt.read_meta(path).get("layout")
+            same_layout = saved_layout == parts.layout_key(self.cfg, self.layout)
+            meta = self._load(path, same_layout)
+            log(f"resumed from {path} at step {self.step} ({self.consumed_samples} samples)"
+                + ("" if same_layout else f"; resharded from {saved_layout}"))  # fmt: skip
+            for cb in self.callbacks:
+                if cb.state_key and f"x_{cb.state_key}" in meta:
+                    cb.load_state_dict(meta[f"x_{cb.state_key}"])
+        self.start_step = self.step
+
+    # --- megatron's schedule ---------------------------------------------------------------------------------------
+    def forward_backward(self, microbatches: list[dict], forward_only: bool) -> float:
+        """megatron's forward(-backward) schedule over micro-batches; returns the global mean loss on every rank."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        iterators = [iter(microbatches) for _ in self.ddp] if len(self.ddp) > 1 else iter(microbatches)
+        results = get_forward_backward_func()(
+            forward_step_func=_forward_step,
+            data_iterator=iterators,
+            model=self.ddp if len(self.ddp) > 1 else self.ddp[0],
+            num_microbatches=len(microbatches),
+            seq_length=self.cfg.train.seq_length,
+            micro_batch_size=self.cfg.train.micro_batch_size,
+            forward_only=forward_only,
+        )
+        return _global_loss(results)
+
+
+def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    losses = output.float()
+    mask = loss_mask.to(losses.device).float()
+    loss = (losses * mask).sum() / mask.sum().clamp(min=1)
+    # clone: the schedule divides the returned loss by the number of micro-batches in place
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator: Iterator[dict], model: Any) -> tuple[torch.Tensor, Any]:
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if model.config.context_parallel_size > 1:
+        # each context-parallel rank keeps its (load-balanced, zigzag) share of every sequence
+        from megatron.core import parallel_state
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        batch = get_batch_on_this_cp_rank({**batch, "cu_seqlens": None}, is_hybrid_cp=False,
+                                          cp_group=parallel_state.get_context_parallel_group())  # fmt: skip
+        batch.pop("cu_seqlens", None)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # losses [b, s]
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _global_loss(results: list[dict]) -> float:
+    """Mean loss over micro-batches and data-parallel ranks, known on every rank afterwards."""
+    from megatron.core import parallel_state
+
+    value = torch.zeros(1, dtype=torch.float64)
+    if results:  # last pipeline stage
+        value[0] = sum(float(r["lm loss"]) for r in results) / len(results)
+    if torch.cuda.is_available():
+        value = value.cuda()
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        torch.distributed.all_reduce(value, group=parallel_state.get_data_parallel_group())
+        value /= parallel_state.get_data_parallel_world_size()
+    # the last stage holds it: share it along the pipeline (sum: other stages contribute zeros)
+    torch.distributed.all_reduce(value, group=parallel_state.get_pipeline_model_parallel_group())
+    return float(value.item())
+
+
+def train(cfg: TrainConfig, world_size: int, callbacks: Sequence[Callback] | None = None,
+          extra_callbacks: Sequence[Callback] = ()) -> dict[str, Any]:  # fmt: skip
+    """Build the run's components and train them (`callbacks`: default_callbacks(cfg), then `extra_callbacks`)."""
+    from megagate.train.callbacks import default_callbacks
+
+    components = parts.build_components(cfg, world_size)
+    chosen = list(default_callbacks(cfg) if callbacks is None else callbacks) + list(extra_callbacks)
+    return Trainer(cfg, components, chosen).fit()

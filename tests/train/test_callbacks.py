@@ -1,0 +1,105 @@
+"""The Trainer's callback contract, on a real run: hook order, a restore that drops the current step, callback state
+in checkpoints; and the layering of the trainer's modules (who may import the loop)."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import trainer_jobs
+
+PACKAGE = Path(__file__).resolve().parents[2] / "megagate"
+STEP_HOOKS = ("on_step_start", "pre_step", "post_backward", "pre_optim_step", "post_step")
+K = 5  # a x10 loss at step 5 makes the spike monitor roll back to the step-4 checkpoint
+
+
+@pytest.fixture(scope="module")
+def hook_run(tmp_path_factory: pytest.TempPathFactory, session_demo_dir: Path) -> trainer_jobs.Run:
+    section = {"spike": {"action": "rollback", "min_history": 3}, "faults": [{"step": K, "kind": "scale_loss"}]}
+    job = [*trainer_jobs.TINY, "train.train_steps=6", "checkpoint.interval=2", "logging.tensorboard=false",
+           "monitor=" + json.dumps(section)]  # fmt: skip
+    run = trainer_jobs.run_jobs(tmp_path_factory, session_demo_dir, {"hooks": job}, hook_logs={"hooks"})["hooks"]
+    assert run.rc == 0, run.log[-3000:]
+    return run
+
+
+@pytest.mark.slow
+def test_hook_order_and_a_restore_that_drops_the_step(hook_run: trainer_jobs.Run) -> None:
+    def step(s: int, hooks: tuple[str, ...] = STEP_HOOKS) -> list[tuple]:
+        return [(hook, s) for hook in hooks]
+
+    expected = [("on_start", None)]
+    for s in range(1, K):
+        expected += step(s)
+    # the spike monitor (before the test callback in the list) restores during pre_optim_step: the later callbacks'
+    # pre_optim_step and every post_step of that step are not called, and the loop goes on after step 4
+    expected += step(K, STEP_HOOKS[:3])
+    for s in range(K, 7):
+        expected += step(s)
+    expected += [("on_end", None), ("on_close", None)]
+    assert hook_run.hooks() == expected
+    assert "rollback: spike at step 5; restored step 4" in hook_run.log
+    assert [r["step"] for r in hook_run.train_records()] == [1, 2, 3, 4, 5, 6]  # the dropped step 5 is not logged
+
+
+@pytest.mark.slow
+def test_callback_state_is_in_every_checkpoint(hook_run: trainer_jobs.Run) -> None:
+    from megagate.train import checkpoint
+
+    final = checkpoint.read_meta(checkpoint.latest(hook_run.dir / "checkpoints"))
+    # saved by Checkpointing.on_end, before the test callback's own on_end and on_close
+    assert final["step"] == 6 and final["x_hook_log"] == {"calls": len(hook_run.hooks()) - 2}
+    assert final["x_monitor"]["rollbacks"] == [{"event_step": K, "restore_step": 4, "skip_first": K, "skip_last": K}]
+    assert final["x_faults"] == {"fired": [0]}  # the fault fired once: the replayed step 5 ran clean
+
+
+# --- layering ------------------------------------------------------------------------------------------------------
+def imports(module: str) -> set[str]:
+    """megagate modules `module` imports anywhere (module level or in a function), except under TYPE_CHECKING."""
+    path = PACKAGE.parent / (module.replace(".", "/") + ".py")
+    if not path.exists():
+        path = PACKAGE.parent / module.replace(".", "/") / "__init__.py"
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            node.body = []
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megagate"):
+            found |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("megagate")}
+    return {m for m in found if (PACKAGE.parent / (m.replace(".", "/") + ".py")).exists()
+            or (PACKAGE.parent / m.replace(".", "/") / "__init__.py").exists()}  # fmt: skip
+
+
+def closure(module: str) -> set[str]:
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += imports(m)
+    return seen - {module}
+
+
+@pytest.mark.parametrize("module", ["megagate.train.load", "megagate.commands.analyze", "megagate.monitor.analyze",
+                                    "megagate.monitor.report", "megagate.train.components",
+                                    "megagate.train.callbacks.base"])  # fmt: skip
+def test_analysis_and_setup_do_not_import_the_loop(module: str) -> None:
+    assert "megagate.train.trainer" not in closure(module)
+
+
+def test_monitor_imports_neither_the_config_reader_nor_the_trainer() -> None:
+    for path in sorted((PACKAGE / "monitor").glob("*.py")):
+        deps = closure(f"megagate.monitor.{path.stem}")
+        assert not {d for d in deps if d == "megagate.config" or d.startswith("megagate.train")}, path.name
+
+
+def test_callbacks_reach_the_trainer_only_through_the_hooks() -> None:
+    for path in sorted((PACKAGE / "train" / "callbacks").glob("*.py")):
+        name = "megagate.train.callbacks" + ("" if path.stem == "__init__" else f".{path.stem}")
+        assert "megagate.train.trainer" not in closure(name), path.name
