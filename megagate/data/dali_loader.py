@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from megagate.data.loader import BATCH_KEYS, PretrainingSampler, sample_arrays
+from megagate.data.sampler import BATCH_KEYS, PretrainingSampler, sample_arrays
 from megagate.errors import ConfigError
 
 

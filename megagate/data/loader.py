@@ -20,7 +20,7 @@ document/sample/shuffle indices are saved there and reused by later runs with th
 tokenizer (megatron hashes all of them into the cache file names). Works with or without an initialised
 `torch.distributed` process group: with one, rank 0 builds the cache first and the others read it.
 
-Sampling follows Megatron-LM's pretraining sampler: samples are taken in order from `consumed_samples`; each
+Sampling (megagate.data.sampler) follows Megatron-LM's pretraining sampler: samples are taken in order from `consumed_samples`; each
 global step takes `micro_batch_size x data_parallel_size` consecutive samples and rank r keeps the r-th
 slice. Resuming with the `consumed_samples` of a checkpoint continues exactly where the run stopped.
 Shuffling happens inside the datasets (seeded by `seed` in `build_datasets`), so the loaders need no RNG.
@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import numpy as np
 
+from megagate.data.sampler import PretrainingSampler, collate
 from megagate.errors import ConfigError, require
 
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 LOADER_KINDS = ("torch", "dali")
 
 
@@ -198,58 +197,6 @@ def _check_split(split: str) -> None:
     except ValueError:
         raise ConfigError(f"split {split!r}: expected up to three comma-separated non-negative weights, e.g. 969,30,1") from None
     require(1 <= len(parts) <= 3 and all(p >= 0 for p in parts) and sum(parts) > 0, f"split {split!r}: expected up to three comma-separated non-negative weights with a positive sum")
-
-
-@dataclass
-class PretrainingSampler:
-    """Megatron-LM's pretraining batch sampler: sequential from `consumed_samples`, DP-sliced global steps."""
-
-    total_samples: int
-    consumed_samples: int
-    micro_batch_size: int
-    data_parallel_rank: int = 0
-    data_parallel_size: int = 1
-    drop_last: bool = True
-
-    def __post_init__(self) -> None:
-        require(self.total_samples > 0, f"dataset has {self.total_samples} samples; nothing to load")
-        require(self.micro_batch_size > 0, f"micro_batch_size={self.micro_batch_size}: must be > 0")
-        require(self.data_parallel_size > 0, f"data_parallel_size={self.data_parallel_size}: must be > 0")
-        require(0 <= self.data_parallel_rank < self.data_parallel_size, f"data_parallel_rank={self.data_parallel_rank}: must be in [0, {self.data_parallel_size})")
-        require(0 <= self.consumed_samples < self.total_samples, f"consumed_samples={self.consumed_samples}: must be in [0, {self.total_samples}) for a dataset of {self.total_samples} samples")
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch_size * self.data_parallel_size
-
-    def __len__(self) -> int:
-        left = self.total_samples - self.consumed_samples
-        full = left // self.global_batch
-        return full + (0 if self.drop_last or left % self.global_batch <= self.data_parallel_rank * self.micro_batch_size else 1)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        start = self.data_parallel_rank * self.micro_batch_size
-        batch: list[int] = []
-        for idx in range(self.consumed_samples, self.total_samples):
-            batch.append(idx)
-            if len(batch) == self.global_batch:
-                yield batch[start : start + self.micro_batch_size]
-                batch = []
-        if batch and not self.drop_last and batch[start : start + self.micro_batch_size]:
-            yield batch[start : start + self.micro_batch_size]
-
-
-def sample_arrays(dataset, idx: int) -> tuple[np.ndarray, ...]:
-    """One sample's four arrays (the dataset returns torch tensors; DALI wants numpy)."""
-    s = dataset[int(idx)]
-    return tuple(np.asarray(s[k].numpy()) for k in BATCH_KEYS)
-
-
-def collate(samples: list[dict]) -> dict:
-    """Stack the four keys of megatron samples into a micro-batch (other keys are dropped)."""
-    import torch
-
-    return {k: torch.stack([s[k] for s in samples]) for k in BATCH_KEYS}
 
 
 def build_loader(

@@ -4,13 +4,8 @@ import pytest
 import torch
 
 from megagate.data.corpus import write_jsonl
-from megagate.data.loader import (
-    BATCH_KEYS,
-    PretrainingSampler,
-    build_datasets,
-    build_loader,
-    parse_blend,
-)
+from megagate.data.loader import build_datasets, build_loader, parse_blend
+from megagate.data.sampler import BATCH_KEYS, PretrainingSampler
 from megagate.data.preprocess import preprocess
 from megagate.data.tokenizer import load_tokenizer
 from megagate.errors import ConfigError, MegagateError
