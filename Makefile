@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env demo test test-fast test-gpu clean
+.PHONY: env demo test test-fast test-gpu check format clean
 
 env:
 	@bash tools/bootstrap_env.sh >/dev/null
@@ -18,6 +18,15 @@ test-fast: env
 
 test-gpu: env
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
+
+# Lint and formatting (ruff, pinned in requirements.txt); CI runs it before the tests.
+check: env
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: env
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 clean:
 	rm -rf .pytest_cache build *.egg-info
