@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Build (once) or reuse the project's Python environment, then link it at ./.venv.
-# The environment lives outside the clone, keyed by the hash of requirements.txt and the Python version,
-# so CI runs and fresh clones on the same machine reuse it; a fresh machine builds it.
+# Build (once) or reuse the heavy pinned packages, then give this clone its own cheap environment at ./.venv.
+# The heavy environment (torch, megatron-core, ...: several GB) lives outside the clone, keyed by the hash of
+# requirements.txt and the Python version, so CI runs and fresh clones on the same machine reuse it; a fresh machine
+# builds it. It never holds megagate itself: each clone's .venv (a venv of a few kB, made in seconds) sees the heavy
+# packages through a .pth file and has this clone installed editable, so no clone ever runs another clone's code.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -33,7 +35,37 @@ if [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
 fi
 
-ln -sfn "$venv" "$root/.venv"
-# The package itself is installed editable from this clone (seconds), so the entry point follows the checkout.
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$root" >&2
-echo "$venv"
+# Older bootstraps installed a clone editable into the shared environment: that install would shadow every other
+# clone's code, so it goes.
+if [ -n "$(ls "$venv"/lib/python3*/site-packages/ | grep -i '^__editable__.*megagate\|^megagate-.*dist-info$' || true)" ]; then
+  "$venv/bin/python" -m pip uninstall -q -y megagate >&2
+fi
+
+local_env="$root/.venv"
+heavy_site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+[ -L "$local_env" ] && rm -f "$local_env"  # the old layout linked the shared environment itself here
+if [ ! -x "$local_env/bin/python" ] || ! cmp -s <(echo "$venv") "$local_env/.megagate-heavy-env" 2>/dev/null; then
+  rm -rf "$local_env"
+  "$py" -m venv --without-pip "$local_env"
+  local_site=$("$local_env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$heavy_site" > "$local_site/megagate-heavy-env.pth"
+  # The heavy environment's commands (torchrun, pytest, tensorboard, ...), run by this clone's interpreter; native
+  # executables (ruff) are linked.
+  for script in "$venv"/bin/*; do
+    name=$(basename "$script")
+    case "$name" in python*|pip*|activate*|Activate.ps1|megagate) continue ;; esac
+    if head -c 2 "$script" | grep -q '#!'; then
+      { echo "#!$local_env/bin/python"; tail -n +2 "$script"; } > "$local_env/bin/$name"
+      chmod +x "$local_env/bin/$name"
+    else
+      ln -sfn "$script" "$local_env/bin/$name"
+    fi
+  done
+  echo "$venv" > "$local_env/.megagate-heavy-env"
+fi
+# This clone, editable (seconds), so the entry point follows the checkout. pip runs from the heavy environment and
+# installs into this clone's. (PYTHONWARNINGS: setuptools warns on every editable build that a folder named like
+# the package may shadow it.)
+PYTHONWARNINGS=ignore "$venv/bin/python" -m pip --python "$local_env/bin/python" install -q --no-deps \
+  --no-build-isolation -e "$root" >&2
+echo "$local_env"
