@@ -32,8 +32,13 @@ sys.path.insert(0, str(REPO))
 CONFIG = str(REPO / "examples" / "tiny_cpu.yaml")
 MODELS = {
     "tiny": [],  # the demo's model: 2 layers, hidden 64, 4/2 heads x 16
-    "larger": ["model.hidden_size=256", "model.num_attention_heads=8", "model.num_query_groups=4",
-               "model.head_dim=32", "model.ffn_hidden_size=768"],  # fmt: skip
+    "larger": [
+        "model.hidden_size=256",
+        "model.num_attention_heads=8",
+        "model.num_query_groups=4",
+        "model.head_dim=32",
+        "model.ffn_hidden_size=768",
+    ],
 }
 
 
@@ -66,8 +71,13 @@ def build(variant: str, model_overrides: list[str], out: str, data_dir: str):
     from megagate.train import components
     from megagate.train.trainer import Trainer
 
-    overrides = [f"model.gate.preset={variant}", f"output.dir={out}/{variant}", f"data.demo_dir={data_dir}",
-                 "train.train_steps=100000", *model_overrides]  # fmt: skip
+    overrides = [
+        f"model.gate.preset={variant}",
+        f"output.dir={out}/{variant}",
+        f"data.demo_dir={data_dir}",
+        "train.train_steps=100000",
+        *model_overrides,
+    ]
     cfg = config_mod.load(CONFIG, overrides)
     parallel_state.destroy_model_parallel()
     with quiet_stdout():
@@ -89,10 +99,13 @@ def bench_model(name: str, variants: list[str], args: argparse.Namespace, out: s
     first = runs[variants[0]][0].cfg
     tokens_per_step = first.train.global_batch_size * first.train.seq_length
     m = first.model
-    print(f"\n== {name}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}/"
-          f"{m.num_query_groups} x {m.head_dim}; {tokens_per_step} tokens/step "
-          f"({first.train.global_batch_size} x {first.train.seq_length}, "
-          f"micro-batch {first.train.micro_batch_size})")  # fmt: skip
+    print(
+        f"\n== {name}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}/"
+        f"{m.num_query_groups} x {m.head_dim}; {tokens_per_step} tokens/step "
+        f"({first.train.global_batch_size} x {first.train.seq_length}, "
+        f"micro-batch {first.train.micro_batch_size})"
+    )
+
     def step(v: str) -> float:
         return timed_step(*runs[v])
 
@@ -101,34 +114,45 @@ def bench_model(name: str, variants: list[str], args: argparse.Namespace, out: s
             step(v)
     times: dict[str, list[list[float]]] = {v: [] for v in variants}  # per variant, per round
     for r in range(args.rounds):
-        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        order = variants[r % len(variants) :] + variants[: r % len(variants)]
         for v in order:
             times[v].append([step(v) for _ in range(args.steps_per_round)])
 
     base = variants[0]
     base_median = statistics.median(t for rnd in times[base] for t in rnd)
-    header = (f"{'variant':16s} {'params':>10s} {'FFN':>5s} {'ms/step':>8s} {'IQR ms':>13s} {'tokens/s':>9s} "
-              f"{'ratio':>6s} {'paired ratio (min..max)':>23s}")  # fmt: skip
+    header = (
+        f"{'variant':16s} {'params':>10s} {'FFN':>5s} {'ms/step':>8s} {'IQR ms':>13s} {'tokens/s':>9s} "
+        f"{'ratio':>6s} {'paired ratio (min..max)':>23s}"
+    )
     print(header + "\n" + "-" * len(header))
     for v in variants:
         cfg = runs[v][0].cfg
         flat = [t for rnd in times[v] for t in rnd]
         q1, med, q3 = quantiles(flat)
         per_round = [statistics.median(a) / statistics.median(b) for a, b in zip(times[v], times[base])]
-        paired = "-" if v == base else (f"{statistics.median(per_round):.3f} "
-                                         f"({min(per_round):.2f}..{max(per_round):.2f})")  # fmt: skip
-        print(f"{v:16s} {parameter_counts(cfg.model)['total']:>10,} {cfg.model.effective_ffn_hidden_size:>5d} "
-              f"{med * 1e3:>8.1f} {q1 * 1e3:>6.1f}-{q3 * 1e3:<6.1f} {tokens_per_step / med:>9,.0f} "
-              f"{med / base_median:>6.3f} {paired:>23s}")  # fmt: skip
-    print(f"({args.rounds} rounds x {args.steps_per_round} timed steps per variant after {args.warmup} warm-up steps; "
-          f"ratio = median step time / {base}'s; "
-          f"paired: per round)")  # fmt: skip
+        paired = (
+            "-" if v == base else (f"{statistics.median(per_round):.3f} ({min(per_round):.2f}..{max(per_round):.2f})")
+        )
+        print(
+            f"{v:16s} {parameter_counts(cfg.model)['total']:>10,} {cfg.model.effective_ffn_hidden_size:>5d} "
+            f"{med * 1e3:>8.1f} {q1 * 1e3:>6.1f}-{q3 * 1e3:<6.1f} {tokens_per_step / med:>9,.0f} "
+            f"{med / base_median:>6.3f} {paired:>23s}"
+        )
+    print(
+        f"({args.rounds} rounds x {args.steps_per_round} timed steps per variant after {args.warmup} warm-up steps; "
+        f"ratio = median step time / {base}'s; "
+        f"paired: per round)"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", default=["baseline", "g1-elementwise", "g1-headwise"],
-                        help="gate presets; the first is the reference of the ratios")  # fmt: skip
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["baseline", "g1-elementwise", "g1-headwise"],
+        help="gate presets; the first is the reference of the ratios",
+    )
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps-per-round", type=int, default=5)

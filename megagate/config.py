@@ -25,8 +25,9 @@ import math
 import os
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Union
 
 import yaml
 
@@ -63,7 +64,7 @@ class TrainSection:
     min_lr: float = 1e-5
     lr_schedule: str = "cosine"
     warmup_steps: int = 10
-    wsd_decay_steps: Optional[int] = None
+    wsd_decay_steps: int | None = None
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -72,14 +73,14 @@ class TrainSection:
     use_distributed_optimizer: bool = True
     eval_interval: int = 0  # steps between validations (0: only at the end)
     eval_iters: int = 2  # global batches per validation
-    wall_time_limit: Optional[float] = None  # seconds; checkpoint and exit cleanly before it
-    exit_after_steps: Optional[int] = None  # checkpoint and exit after this many steps of this launch's run
+    wall_time_limit: float | None = None  # seconds; checkpoint and exit cleanly before it
+    exit_after_steps: int | None = None  # checkpoint and exit after this many steps of this launch's run
 
 
 @dataclass(frozen=True)
 class DataSection:
-    blend: Optional[list] = None  # ["prefix", ...] or ["0.7", "prefix_a", "0.3", "prefix_b"]
-    tokenizer: Optional[str] = None
+    blend: list | None = None  # ["prefix", ...] or ["0.7", "prefix_a", "0.3", "prefix_b"]
+    tokenizer: str | None = None
     split: str = "969,30,1"
     mock: bool = False
     demo: bool = False  # build the real-text demo corpus (stdlib docs/code) + BPE tokenizer under demo_dir
@@ -87,12 +88,12 @@ class DataSection:
     demo_vocab_size: int = 2048
     demo_max_bytes: int = 1_500_000
     loader: str = "torch"
-    cache_dir: Optional[str] = None
+    cache_dir: str | None = None
 
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    dir: Optional[str] = None  # default: <output.dir>/checkpoints
+    dir: str | None = None  # default: <output.dir>/checkpoints
     interval: int = 0  # steps between saves (0: only at the end and on a stop request)
     keep_last: int = 2
     load: bool = True  # resume from the latest good checkpoint in dir
@@ -288,26 +289,35 @@ def validate(cfg: TrainConfig, *, environment: bool = True) -> None:
         if getattr(t, name) <= 0:
             raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
     if t.seq_length > m.max_sequence_length:
-        raise ConfigError(f"train.seq_length ({t.seq_length}) exceeds model.max_sequence_length ({m.max_sequence_length})")
+        raise ConfigError(
+            f"train.seq_length ({t.seq_length}) exceeds model.max_sequence_length ({m.max_sequence_length})"
+        )
     if not 0 <= t.min_lr <= t.lr:
         raise ConfigError(f"train.min_lr ({t.min_lr}) must be in [0, train.lr ({t.lr})]")
     if t.warmup_steps < 0 or t.warmup_steps > t.train_steps:
         raise ConfigError(f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.train_steps ({t.train_steps})]")
     layout_rules.check_parallel(p, m.num_experts)  # sizes >= 1; VPP, SP and EP rules (megatron's, in one place)
-    check_tensor_parallel(m.num_attention_heads, m.num_query_groups, p.tensor_model_parallel_size,
-                          model="model.", parallel="parallel.")  # fmt: skip
+    check_tensor_parallel(
+        m.num_attention_heads, m.num_query_groups, p.tensor_model_parallel_size, model="model.", parallel="parallel."
+    )
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
     chunks = pp * (vpp or 1)
     if m.num_layers % chunks:
-        raise ConfigError(f"model.num_layers ({m.num_layers}) must be divisible by pipeline stages x virtual stages ({chunks})")
+        raise ConfigError(
+            f"model.num_layers ({m.num_layers}) must be divisible by pipeline stages x virtual stages ({chunks})"
+        )
     if p.context_parallel_size > 1 and t.backend != "te":
-        raise ConfigError(f"parallel.context_parallel_size={p.context_parallel_size} needs Transformer Engine's attention: "
-                          "set train.backend=te (megatron's local attention has no context parallelism)")
+        raise ConfigError(
+            f"parallel.context_parallel_size={p.context_parallel_size} needs Transformer Engine's attention: "
+            "set train.backend=te (megatron's local attention has no context parallelism)"
+        )
     if environment and t.precision == "fp8":
         from megagate.model.spec import transformer_engine_available
 
         if not transformer_engine_available():
-            raise ConfigError("train.precision='fp8' needs Transformer Engine, which is not installed; use bf16 or fp32")
+            raise ConfigError(
+                "train.precision='fp8' needs Transformer Engine, which is not installed; use bf16 or fp32"
+            )
     if environment and t.backend == "te":
         from megagate.model.spec import check_backend
 
@@ -325,8 +335,9 @@ def validate(cfg: TrainConfig, *, environment: bool = True) -> None:
             base = strip_suffix(prefix)
             for suffix in (".bin", ".idx"):
                 if environment and not os.path.exists(base + suffix):
-                    raise ConfigError(f"data.blend: missing data file {base + suffix!r} "
-                                      "(preprocess with `megagate preprocess`)")  # fmt: skip
+                    raise ConfigError(
+                        f"data.blend: missing data file {base + suffix!r} (preprocess with `megagate preprocess`)"
+                    )
         if environment and not os.path.exists(d.tokenizer):
             raise ConfigError(f"data.tokenizer: missing tokenizer file {d.tokenizer!r}")
     if cfg.checkpoint.keep_last < 1:
@@ -335,5 +346,10 @@ def validate(cfg: TrainConfig, *, environment: bool = True) -> None:
 
 def layout(cfg: TrainConfig, world_size: int) -> Layout:
     """The run's layout on `world_size` ranks (megagate.distributed.layout's rules), or a one-line ConfigError."""
-    return layout_rules.layout(cfg.parallel, world_size, micro_batch_size=cfg.train.micro_batch_size,
-                               global_batch_size=cfg.train.global_batch_size, num_experts=cfg.model.num_experts)
+    return layout_rules.layout(
+        cfg.parallel,
+        world_size,
+        micro_batch_size=cfg.train.micro_batch_size,
+        global_batch_size=cfg.train.global_batch_size,
+        num_experts=cfg.model.num_experts,
+    )

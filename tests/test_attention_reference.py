@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from helpers import reference
 from megatron.core.transformer.spec_utils import build_module
 
+from helpers import reference
 from megagate.model import gate as gates
 from megagate.model.build import transformer_config
 from megagate.model.config import model_preset
@@ -32,7 +32,9 @@ def test_variant_matches_reference(megatron_world, variant):
     params32 = reference.module_params(w32, gate, n, g)
     assert set(params32) == {name for name, _ in attn.named_parameters()}
 
-    x64 = torch.randn(SEQ, BATCH, h, dtype=torch.float64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    x64 = torch.randn(
+        SEQ, BATCH, h, dtype=torch.float64, generator=torch.Generator().manual_seed(3), requires_grad=True
+    )
     x32 = x64.detach().float().requires_grad_()
     grad_out = torch.randn(SEQ, BATCH, h, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
 
@@ -45,7 +47,9 @@ def test_variant_matches_reference(megatron_world, variant):
     out64.backward(grad_out)
     torch.testing.assert_close(x32.grad.double(), x64.grad, atol=5e-6, rtol=1e-4)
     for name in w64:
-        torch.testing.assert_close(w32[name].grad.double(), w64[name].grad, atol=5e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            w32[name].grad.double(), w64[name].grad, atol=5e-6, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def test_gate_changes_the_output(megatron_world):

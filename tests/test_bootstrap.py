@@ -12,8 +12,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _imported_from(python: Path) -> str:
     # cwd "/": `python -c` puts the working directory first on sys.path, and this checkout's folder would win
-    out = subprocess.run([str(python), "-c", "import megagate; print(megagate.__file__)"], capture_output=True,
-                         text=True, check=True, cwd="/")
+    out = subprocess.run(
+        [str(python), "-c", "import megagate; print(megagate.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+    )
     return out.stdout.strip()
 
 
@@ -34,9 +39,17 @@ def test_two_clones_run_their_own_code(tmp_path):
     # the heavy packages are shared, not copied: the clone's environment stays small
     size = sum(p.stat().st_size for p in (clone / ".venv").rglob("*") if p.is_file() and not p.is_symlink())
     assert size < 5_000_000
-    run = subprocess.run([str(clone / ".venv" / "bin" / "python"), "-c",
-                          "import megagate._clone_marker as m, torch, megatron.core; print(m.WHERE)"],
-                         capture_output=True, text=True, check=True, cwd="/")
+    run = subprocess.run(
+        [
+            str(clone / ".venv" / "bin" / "python"),
+            "-c",
+            "import megagate._clone_marker as m, torch, megatron.core; print(m.WHERE)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+    )
     assert run.stdout.strip() == "the temporary clone"
     # commands of the heavy environment run with the clone's interpreter
     head = (clone / ".venv" / "bin" / "torchrun").read_text().splitlines()[0]

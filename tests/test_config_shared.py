@@ -22,8 +22,10 @@ BASE = ROOT / "examples" / "tiny_cpu.yaml"
 PARALLEL_ONLY = "model:\n  preset: tiny\nparallel:\n  tensor_model_parallel_size: 2\n"
 
 SECTIONS = "model, parallel, train, data, checkpoint, logging, output, monitor, seed"
-PARALLEL_KEYS = ("context_parallel_size, expert_model_parallel_size, pipeline_model_parallel_size, sequence_parallel, "
-                 "tensor_model_parallel_size, virtual_pipeline_model_parallel_size")  # fmt: skip
+PARALLEL_KEYS = (
+    "context_parallel_size, expert_model_parallel_size, pipeline_model_parallel_size, sequence_parallel, "
+    "tensor_model_parallel_size, virtual_pipeline_model_parallel_size"
+)
 
 # (id, config file text or None for BASE, overrides, nodes, ranks per node, the message or, where it lists every
 # allowed value or names a temporary path, the part of it that says what is wrong)
@@ -35,50 +37,160 @@ CASES = [
     ("wrong-type", None, ["train.micro_batch_size=two"], 1, 1, "train.micro_batch_size='two' must be an integer"),
     ("not-finite", None, ["train.lr=.inf"], 1, 1, "train.lr=inf must be a finite number"),
     ("bad-gate-preset", None, ["model.gate.preset=g9"], 1, 1, "gate preset 'g9' is unknown; known presets: baseline,"),
-    ("bad-gate-combination", None, ["model.gate.position=g5", "model.gate.granularity=headwise"], 1, 1,
-     "gate.granularity='headwise' is invalid with gate.position='g5'"),
+    (
+        "bad-gate-combination",
+        None,
+        ["model.gate.position=g5", "model.gate.granularity=headwise"],
+        1,
+        1,
+        "gate.granularity='headwise' is invalid with gate.position='g5'",
+    ),
     ("bad-precision", None, ["train.precision=fp16"], 1, 1, "train.precision='fp16' is not one of fp32, bf16, fp8"),
-    ("heads-vs-tp", None, ["parallel.tensor_model_parallel_size=3"], 1, 3,
-     "model.num_attention_heads (4) must be divisible by parallel.tensor_model_parallel_size (3)"),
-    ("layers-vs-pp", None, ["parallel.pipeline_model_parallel_size=4"], 2, 2,
-     "model.num_layers (2) must be divisible by pipeline stages x virtual stages (4)"),
-    ("ep-without-experts", None, ["parallel.expert_model_parallel_size=2"], 1, 2,
-     "parallel.expert_model_parallel_size (2) needs an MoE model (model.num_experts > 0)"),
-    ("ep-vs-experts", None, ["model.preset=tiny-moe", "parallel.expert_model_parallel_size=3"], 1, 3,
-     "parallel.expert_model_parallel_size (3) must divide model.num_experts (4)"),
-    ("ep-vs-dp-cp", None, ["model.preset=tiny-moe", "parallel.expert_model_parallel_size=4"], 1, 2,
-     "parallel.expert_model_parallel_size (4) must divide DP (2) x CP (1) = 2: megatron's expert grid "
-     "ETP (1) x EP (4) x PP (1) = 4 must divide world size 2"),
-    ("sp-without-tp", None, ["parallel.sequence_parallel=true"], 1, 1,
-     "parallel.sequence_parallel=true needs tensor_model_parallel_size > 1"),
-    ("data-parallel-size", None, ["parallel.data_parallel_size=2"], 1, 2,
-     f"parallel.data_parallel_size is not a known key; allowed: {PARALLEL_KEYS}"),
-    ("world-vs-tp", None, ["parallel.tensor_model_parallel_size=2"], 3, 1,
-     "world size 3 is not divisible by TP (2) x PP (1) x CP (1) = 2"),
-    ("global-batch", None, ["train.global_batch_size=10"], 2, 1,
-     "train.global_batch_size (10) must be divisible by micro_batch_size (4) x data-parallel size (2) = 8"),
-    ("vpp-microbatches", None, ["model.num_layers=4", "parallel.pipeline_model_parallel_size=2",
-                                "parallel.virtual_pipeline_model_parallel_size=2", "train.global_batch_size=12"], 1, 2,
-     "train.global_batch_size (12) gives 3 micro-batches per step; the interleaved pipeline schedule "
-     "(virtual_pipeline_model_parallel_size=2) needs a multiple of pipeline_model_parallel_size (2)"),
-    ("seq-length", None, ["train.seq_length=256"], 1, 1,
-     "train.seq_length (256) exceeds model.max_sequence_length (128)"),
-    ("warmup", None, ["train.warmup_steps=100"], 1, 1,
-     "train.warmup_steps (100) must be in [0, train.train_steps (60)]"),
+    (
+        "heads-vs-tp",
+        None,
+        ["parallel.tensor_model_parallel_size=3"],
+        1,
+        3,
+        "model.num_attention_heads (4) must be divisible by parallel.tensor_model_parallel_size (3)",
+    ),
+    (
+        "layers-vs-pp",
+        None,
+        ["parallel.pipeline_model_parallel_size=4"],
+        2,
+        2,
+        "model.num_layers (2) must be divisible by pipeline stages x virtual stages (4)",
+    ),
+    (
+        "ep-without-experts",
+        None,
+        ["parallel.expert_model_parallel_size=2"],
+        1,
+        2,
+        "parallel.expert_model_parallel_size (2) needs an MoE model (model.num_experts > 0)",
+    ),
+    (
+        "ep-vs-experts",
+        None,
+        ["model.preset=tiny-moe", "parallel.expert_model_parallel_size=3"],
+        1,
+        3,
+        "parallel.expert_model_parallel_size (3) must divide model.num_experts (4)",
+    ),
+    (
+        "ep-vs-dp-cp",
+        None,
+        ["model.preset=tiny-moe", "parallel.expert_model_parallel_size=4"],
+        1,
+        2,
+        "parallel.expert_model_parallel_size (4) must divide DP (2) x CP (1) = 2: megatron's expert grid "
+        "ETP (1) x EP (4) x PP (1) = 4 must divide world size 2",
+    ),
+    (
+        "sp-without-tp",
+        None,
+        ["parallel.sequence_parallel=true"],
+        1,
+        1,
+        "parallel.sequence_parallel=true needs tensor_model_parallel_size > 1",
+    ),
+    (
+        "data-parallel-size",
+        None,
+        ["parallel.data_parallel_size=2"],
+        1,
+        2,
+        f"parallel.data_parallel_size is not a known key; allowed: {PARALLEL_KEYS}",
+    ),
+    (
+        "world-vs-tp",
+        None,
+        ["parallel.tensor_model_parallel_size=2"],
+        3,
+        1,
+        "world size 3 is not divisible by TP (2) x PP (1) x CP (1) = 2",
+    ),
+    (
+        "global-batch",
+        None,
+        ["train.global_batch_size=10"],
+        2,
+        1,
+        "train.global_batch_size (10) must be divisible by micro_batch_size (4) x data-parallel size (2) = 8",
+    ),
+    (
+        "vpp-microbatches",
+        None,
+        [
+            "model.num_layers=4",
+            "parallel.pipeline_model_parallel_size=2",
+            "parallel.virtual_pipeline_model_parallel_size=2",
+            "train.global_batch_size=12",
+        ],
+        1,
+        2,
+        "train.global_batch_size (12) gives 3 micro-batches per step; the interleaved pipeline schedule "
+        "(virtual_pipeline_model_parallel_size=2) needs a multiple of pipeline_model_parallel_size (2)",
+    ),
+    (
+        "seq-length",
+        None,
+        ["train.seq_length=256"],
+        1,
+        1,
+        "train.seq_length (256) exceeds model.max_sequence_length (128)",
+    ),
+    (
+        "warmup",
+        None,
+        ["train.warmup_steps=100"],
+        1,
+        1,
+        "train.warmup_steps (100) must be in [0, train.train_steps (60)]",
+    ),
     ("min-lr", None, ["train.min_lr=0.1"], 1, 1, "train.min_lr (0.1) must be in [0, train.lr (0.003)]"),
-    ("missing-data", None, ["data.demo=false", "data.blend=[/nonexistent/corpus]", "data.tokenizer=t.json"], 1, 1,
-     "data.blend: missing data file '/nonexistent/corpus.bin' (preprocess with `megagate preprocess`)"),
-    ("no-data-section", PARALLEL_ONLY, [], 2, 1,
-     "data: give data.blend (dataset prefixes), or data.mock=true, or data.demo=true"),
+    (
+        "missing-data",
+        None,
+        ["data.demo=false", "data.blend=[/nonexistent/corpus]", "data.tokenizer=t.json"],
+        1,
+        1,
+        "data.blend: missing data file '/nonexistent/corpus.bin' (preprocess with `megagate preprocess`)",
+    ),
+    (
+        "no-data-section",
+        PARALLEL_ONLY,
+        [],
+        2,
+        1,
+        "data: give data.blend (dataset prefixes), or data.mock=true, or data.demo=true",
+    ),
     ("not-a-mapping", "- model\n- parallel\n", [], 1, 1, "must hold a mapping of sections, not list"),
 ]
 if not transformer_engine_available():
-    CASES.append(("cp-without-te", None, ["parallel.context_parallel_size=2"], 1, 2,
-                  "parallel.context_parallel_size=2 needs Transformer Engine's attention: set train.backend=te"))
+    CASES.append(
+        (
+            "cp-without-te",
+            None,
+            ["parallel.context_parallel_size=2"],
+            1,
+            2,
+            "parallel.context_parallel_size=2 needs Transformer Engine's attention: set train.backend=te",
+        )
+    )
 
 # Cases that need no world larger than one process: a local sweep refuses them too.
-SWEEP_CASES = ("unknown-key", "old-key-train-iters", "wrong-type", "data-parallel-size", "seq-length", "warmup",
-               "ep-without-experts", "no-data-section")  # fmt: skip
+SWEEP_CASES = (
+    "unknown-key",
+    "old-key-train-iters",
+    "wrong-type",
+    "data-parallel-size",
+    "seq-length",
+    "warmup",
+    "ep-without-experts",
+    "no-data-section",
+)
 
 
 def config_file(tmp_path: Path, text: str | None) -> str:
@@ -97,15 +209,16 @@ def refused(capsys, argv: list[str]) -> str:
     prefix = f"megagate {argv[0]}: error: "
     assert out == "" and err.startswith(prefix) and err.endswith("\n") and err.count("\n") == 1, (out, err)
     assert "Traceback" not in err
-    return err[len(prefix):-1]
+    return err[len(prefix) : -1]
 
 
 def test_the_base_config_passes_everywhere(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--config", str(BASE), "--dry-run", "--world-size", "2"]) == 0
     assert "world 2 = TP 1 x PP 1 x CP 1 x DP 2" in capsys.readouterr().out
-    assert main(["submit", str(BASE), "--nodes", "2", "--gpus-per-node", "0", "--tasks-per-node", "1",
-                 "--dry-run"]) == 0  # fmt: skip
+    assert (
+        main(["submit", str(BASE), "--nodes", "2", "--gpus-per-node", "0", "--tasks-per-node", "1", "--dry-run"]) == 0
+    )
     assert "# layout: TP=1 PP=1 CP=1 DP=2 world=2" in capsys.readouterr().out.splitlines()
     assert main(["sweep", "--config", str(BASE), "--lrs", "1e-3", "--variants", "baseline", "--dry-run"]) == 0
     assert capsys.readouterr().out.startswith(f"-m megagate train --config {BASE} train.lr=0.001")
@@ -122,10 +235,23 @@ def test_train_and_submit_refuse_alike(case, capsys, tmp_path, monkeypatch):
     world = nodes * per_node
     train = refused(capsys, ["train", "--config", config, "--dry-run", "--world-size", str(world), *overrides])
     # a GPU job of `per_node` GPUs per node, and the same world as a CPU job: the same rules, the same message
-    gpu = refused(capsys, ["submit", config, *overrides, "--nodes", str(nodes), "--gpus-per-node", str(per_node),
-                           "--dry-run"])  # fmt: skip
-    cpu = refused(capsys, ["submit", config, *overrides, "--nodes", str(nodes), "--gpus-per-node", "0",
-                           "--tasks-per-node", str(per_node)])  # no --dry-run: refused before sbatch is looked for
+    gpu = refused(
+        capsys, ["submit", config, *overrides, "--nodes", str(nodes), "--gpus-per-node", str(per_node), "--dry-run"]
+    )
+    cpu = refused(
+        capsys,
+        [
+            "submit",
+            config,
+            *overrides,
+            "--nodes",
+            str(nodes),
+            "--gpus-per-node",
+            "0",
+            "--tasks-per-node",
+            str(per_node),
+        ],
+    )  # no --dry-run: refused before sbatch is looked for
     assert train == gpu == cpu
     assert expected in train, train
     assert list(workdir.iterdir()) == []  # no script, no log folder, no run directory
@@ -142,8 +268,9 @@ def test_sweep_refuses_every_point_before_running(case, capsys, tmp_path, monkey
     grid = ["--config", config, "--lrs", "1e-3,3e-3", "--variants", "baseline,g1-elementwise", "--out", "runs"]
     dry = refused(capsys, ["sweep", *grid, "--dry-run", *overrides])
     real = refused(capsys, ["sweep", *grid, *overrides])  # would run the trainer: refused before the first run
-    script = refused(capsys, ["sweep", *grid, "--slurm", "--nodes", "1", "--gpus-per-node", "1", "--script", "a.sbatch",
-                              *overrides])  # fmt: skip
+    script = refused(
+        capsys, ["sweep", *grid, "--slurm", "--nodes", "1", "--gpus-per-node", "1", "--script", "a.sbatch", *overrides]
+    )
     assert dry == real == script == f"sweep point baseline_lr0.001_s0: {train}"
     assert expected in train, train
     assert list(workdir.iterdir()) == []
@@ -160,10 +287,23 @@ def test_sweep_refuses_bad_learning_rates(lrs, shown, capsys, tmp_path, monkeypa
 def test_sweep_names_the_grid_point_that_clashes(capsys, tmp_path, monkeypatch):
     """A base override that is fine for one variant and not another: the message names the bad point."""
     monkeypatch.chdir(tmp_path)
-    message = refused(capsys, ["sweep", "--config", str(BASE), "--lrs", "1e-3", "--dry-run",
-                               "--variants", "g1-elementwise,g5-elementwise", "model.gate.granularity=headwise"])  # fmt: skip
-    assert message.startswith("sweep point g5-elementwise_lr0.001_s0: gate.granularity='headwise' is invalid with "
-                              "gate.position='g5'")  # fmt: skip
+    message = refused(
+        capsys,
+        [
+            "sweep",
+            "--config",
+            str(BASE),
+            "--lrs",
+            "1e-3",
+            "--dry-run",
+            "--variants",
+            "g1-elementwise,g5-elementwise",
+            "model.gate.granularity=headwise",
+        ],
+    )
+    assert message.startswith(
+        "sweep point g5-elementwise_lr0.001_s0: gate.granularity='headwise' is invalid with gate.position='g5'"
+    )
 
 
 def test_missing_config_file_is_one_message(capsys, tmp_path, monkeypatch):

@@ -16,8 +16,19 @@ VARIANTS = ("baseline", "g1-elementwise")
 
 def demo(out: Path, *extra: str) -> subprocess.CompletedProcess:
     # the demo data cache is the repo's (built once, a few seconds; shared with other runs)
-    cmd = [sys.executable, "-m", "megagate", "demo", "--out", str(out), "--steps", "12",
-           "--data-dir", str(REPO / "runs" / "demo-data"), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "megagate",
+        "demo",
+        "--out",
+        str(out),
+        "--steps",
+        "12",
+        "--data-dir",
+        str(REPO / "runs" / "demo-data"),
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
@@ -49,7 +60,7 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert not list(out.glob(".loss_curves*")), "temporary plot file left behind"
 
-    table = result.stdout[result.stdout.index("variant "):]
+    table = result.stdout[result.stdout.index("variant ") :]
     rows = [line.split()[0] for line in table.splitlines()[2:4]]
     assert rows == list(VARIANTS), table
 

@@ -23,12 +23,18 @@ def test_every_preset_is_valid_and_distinct():
     "fields, message",
     [
         ({"position": "g7"}, "gate.position='g7' is not one of none, g1, g2, g3, g4, g5"),
-        ({"position": "g5", "granularity": "headwise"}, "gate.granularity='headwise' is invalid with gate.position='g5'"),
+        (
+            {"position": "g5", "granularity": "headwise"},
+            "gate.granularity='headwise' is invalid with gate.position='g5'",
+        ),
         ({"position": "g5", "sharing": "head_shared"}, "gate.sharing='head_shared' is invalid with gate.position='g5'"),
         ({"combine": "additive", "activation": "sigmoid"}, "gate.combine='additive' with gate.activation='sigmoid'"),
         ({"activation": "tanh"}, "gate.activation='tanh' is not one of sigmoid, silu, ns_sigmoid, identity"),
         ({"sdpa_norm": "rmsnorm"}, "gate.sdpa_norm='rmsnorm' replaces the gate at the SDPA output"),
-        ({"position": "none", "granularity": "headwise"}, "gate.position='none' but gate fields are set: granularity='headwise'"),
+        (
+            {"position": "none", "granularity": "headwise"},
+            "gate.position='none' but gate fields are set: granularity='headwise'",
+        ),
     ],
 )
 def test_invalid_combinations_name_the_values(fields, message):
@@ -48,9 +54,13 @@ def test_from_dict_rejects_unknown_preset_and_field():
 
 def test_model_level_checks(megatron_world):
     config = transformer_config(model_preset("tiny"))
-    with pytest.raises(ConfigError, match=r"num_attention_heads \(4\) must be divisible by tensor_model_parallel_size \(3\)"):
+    with pytest.raises(
+        ConfigError, match=r"num_attention_heads \(4\) must be divisible by tensor_model_parallel_size \(3\)"
+    ):
         check_gate_compatible(config, gates.GateConfig(), tp_size=3)
-    with pytest.raises(ConfigError, match=r"num_query_groups \(2\) must be divisible by tensor_model_parallel_size \(4\)"):
+    with pytest.raises(
+        ConfigError, match=r"num_query_groups \(2\) must be divisible by tensor_model_parallel_size \(4\)"
+    ):
         check_gate_compatible(config, gates.GateConfig(), tp_size=4)
     mla = model_preset("tiny")
     import dataclasses

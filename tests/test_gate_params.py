@@ -18,8 +18,10 @@ H, N, G, D = 64, 4, 2, 16  # the tiny model: 4 query heads in 2 KV groups of hea
 
 
 def rows(gate):
-    return [(p.name, p.shape, p.tp_axis, p.init, p.role, p.sequence_parallel_grad)
-            for p in gate_parameters(gate, H, N, G, D)]  # fmt: skip
+    return [
+        (p.name, p.shape, p.tp_axis, p.init, p.role, p.sequence_parallel_grad)
+        for p in gate_parameters(gate, H, N, G, D)
+    ]
 
 
 FUSED, II = ("normal", "qkv_rows", False), ("zeros", "logits")  # fused rows; input-independent logits
@@ -33,7 +35,10 @@ CASES = [
     (gates.preset("g2-headwise"), [("linear_qkv.weight", (2, 64), 0, *FUSED)]),
     (gates.preset("g3-elementwise"), [("linear_qkv.weight", (32, 64), 0, *FUSED)]),
     # one replicated projection for all heads; under SP its gradient is a partial sum
-    (gates.preset("g1-elementwise-head-shared"), [("shared_gate_weight", (16, 64), None, "normal", "projection", True)]),
+    (
+        gates.preset("g1-elementwise-head-shared"),
+        [("shared_gate_weight", (16, 64), None, "normal", "projection", True)],
+    ),
     (gates.preset("g1-headwise-head-shared"), [("shared_gate_weight", (1, 64), None, "normal", "projection", True)]),
     # input-independent: zero logits shaped like the scores
     (gates.preset("g1-input-independent"), [("gate_param", (4, 16), 0, *II, False)]),
@@ -92,8 +97,9 @@ def test_module_builds_exactly_the_table(megatron_world, variant):
         expected = {"zeros": torch.zeros(entry.shape), "ones": torch.ones(entry.shape)}.get(entry.init)
         if expected is not None:
             assert torch.equal(param, expected)
-    baseline = build_module(gated_layer_spec(config, gates.preset("baseline")).submodules.self_attention,
-                            config=config, layer_number=1)  # fmt: skip
+    baseline = build_module(
+        gated_layer_spec(config, gates.preset("baseline")).submodules.self_attention, config=config, layer_number=1
+    )
     added = sum(p.numel() for p in attn.parameters()) - sum(p.numel() for p in baseline.parameters())
     assert added == gate_parameter_count(gate, H, N, G, D)
 
@@ -104,14 +110,19 @@ def test_one_tensor_parallel_check_everywhere(megatron_world):
     config = transformer_config(model_preset("tiny"))
     layout = qkv_layout.qkv_layout(gates.GateConfig(), N, G, D)
     for tp, message in ((3, heads), (4, groups)):
-        for check in (lambda: qkv_layout.check_tensor_parallel(N, G, tp), lambda: layout.local(tp),
-                      lambda: check_gate_compatible(config, gates.GateConfig(), tp)):  # fmt: skip
+        for check in (
+            lambda tp=tp: qkv_layout.check_tensor_parallel(N, G, tp),
+            lambda tp=tp: layout.local(tp),
+            lambda tp=tp: check_gate_compatible(config, gates.GateConfig(), tp),
+        ):
             with pytest.raises(ConfigError) as err:
                 check()
             assert str(err.value) == message
     with pytest.raises(ConfigError) as err:
         qkv_layout.check_tensor_parallel(16, 8, 3, model="model.", parallel="parallel.")
-    assert str(err.value) == "model.num_attention_heads (16) must be divisible by parallel.tensor_model_parallel_size (3)"
+    assert (
+        str(err.value) == "model.num_attention_heads (16) must be divisible by parallel.tensor_model_parallel_size (3)"
+    )
     qkv_layout.check_tensor_parallel(N, G, 2)
 
 
@@ -152,7 +163,9 @@ def test_init_values_follow_the_rules(megatron_world):
     first, second = params[name.format(0)], params[name.format(1)]
     assert not torch.equal(first, second)
     assert torch.equal(first, init.initial_value(name.format(0), (64, 64), 7, 0.02, 2, attn_entry(gpt, 0)))
-    assert init.rule_for("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight").init == "ones"  # TE's fused norm
+    assert (
+        init.rule_for("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight").init == "ones"
+    )  # TE's fused norm
     assert init.rule_for("decoder.layers.0.self_attention.linear_qkv.layer_norm_bias").init == "zeros"
     assert init.rule_for("decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight").init == "normal_scaled"
 

@@ -62,16 +62,24 @@ def test_not_registered_outside_the_fixture():
 def test_table_shapes_and_the_doc_listing(example):
     table = gate_parameters(gates.preset(PRESET), H, N, G, D)
     rows = [(p.name, p.shape, p.tp_axis, p.init, p.role) for p in table]
-    assert rows == [("linear_qkv.weight", (64, 64), 0, "normal", "qkv_rows"), ("gate_bias", (4, 16), 0, "ones", "activation")]
+    assert rows == [
+        ("linear_qkv.weight", (64, 64), 0, "normal", "qkv_rows"),
+        ("gate_bias", (4, 16), 0, "ones", "activation"),
+    ]
     doc = doc_example.DOC.read_text(encoding="utf-8")
     for row in rows:
         assert " ".join(map(str, row)) in doc
     assert gate_parameter_count(gates.preset(PRESET), H, N, G, D) == 64 * 64 + 4 * 16
+
     # the bias follows the score shape at every position / granularity / sharing
     def bias(**fields):
-        (entry,) = [p for p in gate_parameters(gates.GateConfig(activation="biased_sigmoid", **fields), H, N, G, D)
-                    if p.name == "gate_bias"]  # fmt: skip
+        (entry,) = [
+            p
+            for p in gate_parameters(gates.GateConfig(activation="biased_sigmoid", **fields), H, N, G, D)
+            if p.name == "gate_bias"
+        ]
         return entry.shape, entry.tp_axis, entry.sequence_parallel_grad
+
     assert bias(sharing="head_shared") == ((1, 16), None, False)
     assert bias(position="g2", granularity="headwise") == ((2, 1), 0, False)
     assert bias(position="g5") == ((1, 64), None, True)
@@ -122,7 +130,7 @@ def test_attention_matches_plain_torch(megatron_world, example, case):
     torch.testing.assert_close(x32.grad.double(), x64.grad, atol=5e-6, rtol=1e-4)
     for name in w64:
         torch.testing.assert_close(
-            w32[name].grad.double(), w64[name].grad, atol=5e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}"
+            w32[name].grad.double(), w64[name].grad, atol=5e-6, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
         )
     assert w32["b"].grad.abs().max() > 1e-4
 
@@ -144,7 +152,9 @@ def test_gpt_model_counts_and_initialisation(megatron_world, example):
     for p in biases.values():
         assert torch.equal(p, torch.ones(4, 16))  # the table's rule, not a random normal
     # by name alone nothing would cover it: without the table the initialisation refuses instead of guessing
-    with pytest.raises(ValueError, match="no initialisation rule covers parameter 'decoder.layers.0.self_attention.gate_b"):
+    with pytest.raises(
+        ValueError, match="no initialisation rule covers parameter 'decoder.layers.0.self_attention.gate_b"
+    ):
         init.rule_for("decoder.layers.0.self_attention.gate_bias")
 
     tokens = torch.randint(0, model.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -158,7 +168,9 @@ def test_gpt_model_counts_and_initialisation(megatron_world, example):
 
 @pytest.mark.distributed
 def test_tp2_equals_tp1(tmp_path, example):
-    variants = [gates.from_dict(fields, preset=PRESET) for fields in ({}, {"sharing": "head_shared"}, {"position": "g5"})]
+    variants = [
+        gates.from_dict(fields, preset=PRESET) for fields in ({}, {"sharing": "head_shared"}, {"position": "g5"})
+    ]
     results = distributed.run(parallel_workers.tp_worker, 2, tmp_path, variants, doc_example.register)
     for rank_result in results:
         assert len(rank_result) == len(variants)

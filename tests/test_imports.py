@@ -51,7 +51,9 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             if base.split(".")[0] != "megagate":
                 continue
             subs = [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in known]

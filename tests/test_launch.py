@@ -79,9 +79,15 @@ def test_tasks_per_node() -> None:
 
 def _srun_env(**kw: str) -> dict[str, str]:
     env = {
-        "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
-        "SLURM_NODEID": "2", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8",
-        "SLURM_JOB_NODELIST": "gpu[07-10]", "SLURM_STEP_TASKS_PER_NODE": "2(x4)",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "2",
+        "SLURM_NTASKS": "8",
+        "SLURM_STEP_NUM_TASKS": "8",
+        "SLURM_JOB_NODELIST": "gpu[07-10]",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x4)",
     }
     env.update(kw)
     return env
@@ -89,8 +95,17 @@ def _srun_env(**kw: str) -> dict[str, str]:
 
 def test_srun_environment() -> None:
     env = resolve_env(_srun_env())
-    assert env == DistEnv(rank=5, world_size=8, local_rank=1, local_world_size=2, node_rank=2, num_nodes=4,
-                          master_addr="gpu07", master_port=derive_master_port(4242), source="srun")
+    assert env == DistEnv(
+        rank=5,
+        world_size=8,
+        local_rank=1,
+        local_world_size=2,
+        node_rank=2,
+        num_nodes=4,
+        master_addr="gpu07",
+        master_port=derive_master_port(4242),
+        source="srun",
+    )
     assert env.master_port == 20000 + (4242 * 4) % 40000
     # Explicit MASTER_ADDR / MASTER_PORT win over the node list and the job id.
     env2 = resolve_env(_srun_env(MASTER_ADDR="10.0.0.1", MASTER_PORT="12345"))
@@ -106,9 +121,17 @@ def test_srun_port_moves_after_requeue() -> None:
 
 
 def test_srun_uneven_tasks_per_node() -> None:
-    env = resolve_env(_srun_env(SLURM_PROCID="6", SLURM_LOCALID="0", SLURM_NODEID="2", SLURM_NTASKS="7",
-                                SLURM_STEP_NUM_TASKS="7", SLURM_JOB_NODELIST="n[1-3]",
-                                SLURM_STEP_TASKS_PER_NODE="3,3,1"))
+    env = resolve_env(
+        _srun_env(
+            SLURM_PROCID="6",
+            SLURM_LOCALID="0",
+            SLURM_NODEID="2",
+            SLURM_NTASKS="7",
+            SLURM_STEP_NUM_TASKS="7",
+            SLURM_JOB_NODELIST="n[1-3]",
+            SLURM_STEP_TASKS_PER_NODE="3,3,1",
+        )
+    )
     assert (env.rank, env.local_world_size, env.num_nodes) == (6, 1, 3)
 
 
@@ -151,8 +174,16 @@ def test_batch_shell_is_not_a_rank() -> None:
 
 def test_torchrun_environment_wins_over_slurm() -> None:
     # torchrun inside an allocation: SLURM_PROCID is the node index, RANK the global rank.
-    env = _srun_env(RANK="3", WORLD_SIZE="8", LOCAL_RANK="3", LOCAL_WORLD_SIZE="4", GROUP_RANK="0",
-                    MASTER_ADDR="gpu07", MASTER_PORT="29400", SLURM_PROCID="0")
+    env = _srun_env(
+        RANK="3",
+        WORLD_SIZE="8",
+        LOCAL_RANK="3",
+        LOCAL_WORLD_SIZE="4",
+        GROUP_RANK="0",
+        MASTER_ADDR="gpu07",
+        MASTER_PORT="29400",
+        SLURM_PROCID="0",
+    )
     assert resolve_env(env) == DistEnv(3, 8, 3, 4, 0, 2, "gpu07", 29400, "torchrun")
 
 
@@ -161,9 +192,21 @@ def test_torchrun_environment_wins_over_slurm() -> None:
     [
         ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "1"}, "MASTER_ADDR is not set"),
         ({"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "WORLD_SIZE is not set"),
-        ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "rank 2 is outside 0..1"),
-        ({"RANK": "0", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "h",
-          "MASTER_PORT": "1"}, "not a multiple of LOCAL_WORLD_SIZE=4"),
+        (
+            {"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
+            "rank 2 is outside 0..1",
+        ),
+        (
+            {
+                "RANK": "0",
+                "WORLD_SIZE": "6",
+                "LOCAL_WORLD_SIZE": "4",
+                "LOCAL_RANK": "0",
+                "MASTER_ADDR": "h",
+                "MASTER_PORT": "1",
+            },
+            "not a multiple of LOCAL_WORLD_SIZE=4",
+        ),
     ],
 )
 def test_torchrun_environment_errors(env: dict[str, str], fragment: str) -> None:
@@ -183,8 +226,13 @@ def test_bash_port_formula_matches_python() -> None:
     from megagate.slurm.render import bash_master_port_expr
 
     for job_id, restart in [(1, 0), (4242, 0), (4242, 1), (9999, 3), (123456789, 2), (10000, 5)]:
-        out = subprocess.run(["bash", "-c", f"echo {bash_master_port_expr()}"], text=True, capture_output=True,
-                             env={"SLURM_JOB_ID": str(job_id), "SLURM_RESTART_COUNT": str(restart)}, check=True)
+        out = subprocess.run(
+            ["bash", "-c", f"echo {bash_master_port_expr()}"],
+            text=True,
+            capture_output=True,
+            env={"SLURM_JOB_ID": str(job_id), "SLURM_RESTART_COUNT": str(restart)},
+            check=True,
+        )
         assert int(out.stdout) == derive_master_port(job_id, restart)
 
 
@@ -209,9 +257,19 @@ def test_gloo_group_from_srun_variables(tmp_path: Path) -> None:
     procs = []
     for rank in range(4):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))}
-        env.update(_srun_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % 2), SLURM_NODEID=str(rank // 2),
-                             SLURM_NTASKS="4", SLURM_STEP_NUM_TASKS="4", SLURM_JOB_NODELIST="node[1-2]",
-                             SLURM_STEP_TASKS_PER_NODE="2(x2)", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+        env.update(
+            _srun_env(
+                SLURM_PROCID=str(rank),
+                SLURM_LOCALID=str(rank % 2),
+                SLURM_NODEID=str(rank // 2),
+                SLURM_NTASKS="4",
+                SLURM_STEP_NUM_TASKS="4",
+                SLURM_JOB_NODELIST="node[1-2]",
+                SLURM_STEP_TASKS_PER_NODE="2(x2)",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+        )
         env["PYTHONPATH"] = str(REPO)
         env["GLOO_SOCKET_IFNAME"] = "lo"
         procs.append(subprocess.Popen([sys.executable, "-c", prog, str(tmp_path / f"r{rank}.json")], env=env))

@@ -3,10 +3,10 @@
 import dataclasses
 
 import torch
-from helpers import reference
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import build_module
 
+from helpers import reference
 from megagate.model import gate as gates
 from megagate.model import qkv_layout as layout
 from megagate.model.build import transformer_config
@@ -49,7 +49,7 @@ def test_g1_elementwise_equals_megatron_output_gate(megatron_world):
         expected = theirs_grads[name].grad
         if name == "linear_qkv.weight":
             expected = layout.from_megatron_output_gate(expected, n, g, d)
-        torch.testing.assert_close(p.grad, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, expected, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_conversions_round_trip_and_name_every_row():

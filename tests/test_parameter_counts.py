@@ -28,6 +28,9 @@ def test_paper_models_every_variant(megatron_world, capsys):
             assert abs(by[preset, variant]["total"] - base) / base < 0.005, (preset, variant)
 
 
-@pytest.mark.parametrize("ffn, hidden, added, expected", [(6144, 2048, 2048 * 2048, 5440), (6144, 2048, 2048 * 4096, 4800), (4608, 1536, 0, 4608)])
+@pytest.mark.parametrize(
+    "ffn, hidden, added, expected",
+    [(6144, 2048, 2048 * 2048, 5440), (6144, 2048, 2048 * 4096, 4800), (4608, 1536, 0, 4608)],
+)
 def test_matched_ffn_width(ffn, hidden, added, expected):
     assert matched_ffn_width(ffn, hidden, added, 64) == expected

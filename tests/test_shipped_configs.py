@@ -51,8 +51,11 @@ def planned_world_sizes(path: Path) -> list[int]:
 
 def test_discovery_finds_the_shipped_files():
     names = {str(p.relative_to(ROOT)) for p in CONFIGS}
-    assert {"examples/tiny_cpu.yaml", "slurm/examples/configs/tiny.yaml",
-            "slurm/examples/configs/15a2b_moe.yaml"} <= names  # fmt: skip
+    assert {
+        "examples/tiny_cpu.yaml",
+        "slurm/examples/configs/tiny.yaml",
+        "slurm/examples/configs/15a2b_moe.yaml",
+    } <= names
     assert {p.name for p in SCRIPTS} >= {"15a2b_8x8.sbatch", "tiny_2x2.sbatch"}
 
 
@@ -74,8 +77,12 @@ def test_config_dry_runs(path: Path, capsys, tmp_path, monkeypatch):
 
 
 def test_15a2b_example_is_the_papers_model_on_8x8(capsys):
-    assert main(["train", "--config", str(SLURM_EXAMPLES / "configs" / "15a2b_moe.yaml"), "--dry-run",
-                 "--world-size", "64"]) == 0  # fmt: skip
+    assert (
+        main(
+            ["train", "--config", str(SLURM_EXAMPLES / "configs" / "15a2b_moe.yaml"), "--dry-run", "--world-size", "64"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "MoE 128 experts top-8" in out
     assert "parameters: 15,778,553,856 total, 2,189,008,896 active, 201,326,592 in gates" in out

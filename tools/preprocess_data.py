@@ -1,5 +1,6 @@
 #!/usr/bin/env python
 """Tokenize JSONL/text into megatron .bin/.idx datasets: same as `megagate preprocess` (see --help)."""
+
 import sys
 
 from megagate.cli import main

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
 """Train a byte-level BPE tokenizer.json: same as `megagate tokenizer train` (see --help)."""
+
 import sys
 
 from megagate.cli import main

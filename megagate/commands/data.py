@@ -15,7 +15,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     i = sub.add_parser("inspect", help="documents, tokens, length histogram and a decoded sample of PREFIX(.bin/.idx)")
     i.add_argument("prefix", help="dataset prefix (PREFIX.bin and PREFIX.idx)")
-    i.add_argument("--tokenizer", "-t", default=None, help="tokenizer to decode with (default: the one named in PREFIX.meta.json)")
+    i.add_argument(
+        "--tokenizer", "-t", default=None, help="tokenizer to decode with (default: the one named in PREFIX.meta.json)"
+    )
     i.add_argument("--document", type=int, default=0, help="index of the document to decode (default 0)")
     i.add_argument("--max-chars", type=int, default=600, help="characters of the decoded sample to print")
     i.add_argument("--json", action="store_true", help="print the statistics as JSON")
@@ -43,7 +45,9 @@ def inspect_prefix(prefix: str, tokenizer: str | None = None, document: int = 0,
         from megagate.data.tokenizer import load_tokenizer
 
         if not os.path.exists(tok_path):
-            raise MegagateError(f"tokenizer {tok_path!r} (from {meta_path if not tokenizer else '--tokenizer'}) does not exist; pass --tokenizer")
+            raise MegagateError(
+                f"tokenizer {tok_path!r} (from {meta_path if not tokenizer else '--tokenizer'}) does not exist; pass --tokenizer"
+            )
         tok = load_tokenizer(tok_path, engine="hf", tiktoken_pattern=meta.get("tiktoken_pattern", "cl100k"))
     info = validate(prefix, vocab_size=tok.vocab_size if tok else None)
     lengths = info.pop("lengths").astype(np.int64)
@@ -62,7 +66,11 @@ def inspect_prefix(prefix: str, tokenizer: str | None = None, document: int = 0,
         "tokenizer": tok_path,
     }
     if info["sequences"]:
-        require(0 <= document < info["sequences"], f"--document {document}: the dataset has documents 0..{info['sequences'] - 1}", MegagateError)
+        require(
+            0 <= document < info["sequences"],
+            f"--document {document}: the dataset has documents 0..{info['sequences'] - 1}",
+            MegagateError,
+        )
         ids = read_document(prefix, document)
         stats["sample_document"] = document
         stats["sample_ids"] = [int(x) for x in ids[:32]]
@@ -87,9 +95,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"dataset   {stats['prefix']}.bin/.idx ({stats['bin_bytes']:,} bytes, tokens stored as {stats['dtype']})")
     print(f"documents {stats['documents']:,}   tokens {stats['tokens']:,}")
-    print(f"length    min {stats['length_min']:,}  median {stats['length_median']:,.0f}  mean {stats['length_mean']:,.1f}  max {stats['length_max']:,}")
+    print(
+        f"length    min {stats['length_min']:,}  median {stats['length_median']:,.0f}  mean {stats['length_mean']:,.1f}  max {stats['length_max']:,}"
+    )
     if "documents_ending_in_eod" in stats:
-        print(f"eod       {stats['documents_ending_in_eod']:,} of {stats['documents']:,} documents end with the end-of-document token")
+        print(
+            f"eod       {stats['documents_ending_in_eod']:,} of {stats['documents']:,} documents end with the end-of-document token"
+        )
     print("length histogram (tokens per document):")
     top = max((c for _, _, c in stats["histogram"]), default=1)
     for lo, hi, c in stats["histogram"]:

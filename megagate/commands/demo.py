@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from megagate.errors import MegagateError
 from megagate.monitor import runfiles
@@ -31,21 +31,31 @@ DEFAULT_VARIANTS = ("baseline", "g1-elementwise")
 # 400 steps x 16 x 128 tokens: ~1 min per variant on 2 cores (measured: 2 variants, ~2.5 min in all; docs/demo.md)
 DEFAULT_STEPS = 400
 # console lines of the child that say nothing about the run (gloo: one per process group; megatron: API notices)
-NOISE = re.compile(r"^(\[Gloo\] Rank \d+ is connected to|DistributedDataParallel: full_param_layout not provided"
-                   r"|MCore's async save is deprecated)")
+NOISE = re.compile(
+    r"^(\[Gloo\] Rank \d+ is connected to|DistributedDataParallel: full_param_layout not provided"
+    r"|MCore's async save is deprecated)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from megagate.model import gate as gates
 
     parser.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                        help=f"training steps per variant (default {DEFAULT_STEPS})")  # fmt: skip
-    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(gates.PRESETS),
-                        metavar="PRESET", help="gate presets to train (default: baseline g1-elementwise)")  # fmt: skip
+    parser.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help=f"training steps per variant (default {DEFAULT_STEPS})"
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(DEFAULT_VARIANTS),
+        choices=list(gates.PRESETS),
+        metavar="PRESET",
+        help="gate presets to train (default: baseline g1-elementwise)",
+    )
     parser.add_argument("--fresh", action="store_true", help="delete the variants' previous run directories first")
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG),
-                        help="trainer config (default: examples/tiny_cpu.yaml)")  # fmt: skip
+    parser.add_argument(
+        "--config", default=str(DEFAULT_CONFIG), help="trainer config (default: examples/tiny_cpu.yaml)"
+    )
     parser.add_argument("--data-dir", default="runs/demo-data", help="cache of the demo corpus and tokenizer")
 
 
@@ -85,8 +95,9 @@ def train_variant(cmd: list[str], variant: str, width: int) -> float:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
     env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")  # megatron's deprecation chatter on every start
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     assert proc.stdout is not None
 
     def stream() -> None:
@@ -107,27 +118,37 @@ def train_variant(cmd: list[str], variant: str, width: int) -> float:
     return time.perf_counter() - start
 
 
-def summarize(variant: str, run_dir: Path, params: int, wall: Optional[float]) -> dict[str, Any]:
+def summarize(variant: str, run_dir: Path, params: int, wall: float | None) -> dict[str, Any]:
     """One row of the table, from the run's files."""
     records = runfiles.read_jsonl(run_dir / runfiles.METRICS)
     train, valid = runfiles.train_metrics(records), runfiles.valid_metrics(records)
     if not train or not valid:
         raise MegagateError(f"{run_dir / runfiles.METRICS} has no train or validation lines")
-    tail = train[-max(1, len(train) // 10):]  # the last 10% of logged steps: one step's loss is noisy
+    tail = train[-max(1, len(train) // 10) :]  # the last 10% of logged steps: one step's loss is noisy
     speeds = [r["tokens_per_s"] for r in train[1:] or train]  # the first logged step includes warm-up
-    return {"variant": variant, "params": params, "train_loss": statistics.fmean(r["loss"] for r in tail),
-            "valid_loss": valid[-1]["loss"], "valid_ppl": math.exp(min(valid[-1]["loss"], 50.0)),
-            "tokens_per_s": statistics.median(speeds), "wall_s": wall}  # fmt: skip
+    return {
+        "variant": variant,
+        "params": params,
+        "train_loss": statistics.fmean(r["loss"] for r in tail),
+        "valid_loss": valid[-1]["loss"],
+        "valid_ppl": math.exp(min(valid[-1]["loss"], 50.0)),
+        "tokens_per_s": statistics.median(speeds),
+        "wall_s": wall,
+    }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    header = (f"{'variant':16s} {'params':>9s} {'train loss':>10s} {'valid loss':>10s} {'valid ppl':>9s} "
-              f"{'tokens/s':>9s} {'wall':>7s}")  # fmt: skip
+    header = (
+        f"{'variant':16s} {'params':>9s} {'train loss':>10s} {'valid loss':>10s} {'valid ppl':>9s} "
+        f"{'tokens/s':>9s} {'wall':>7s}"
+    )
     lines = [header, "-" * len(header)]
     for r in rows:
         wall = "-" if r["wall_s"] is None else f"{r['wall_s']:6.1f}s"
-        lines.append(f"{r['variant']:16s} {r['params']:>9,} {r['train_loss']:>10.3f} {r['valid_loss']:>10.3f} "
-                     f"{r['valid_ppl']:>9.1f} {r['tokens_per_s']:>9,.0f} {wall:>7s}")  # fmt: skip
+        lines.append(
+            f"{r['variant']:16s} {r['params']:>9,} {r['train_loss']:>10.3f} {r['valid_loss']:>10.3f} "
+            f"{r['valid_ppl']:>9.1f} {r['tokens_per_s']:>9,.0f} {wall:>7s}"
+        )
     return "\n".join(lines)
 
 
@@ -141,12 +162,28 @@ def plot(out: Path, runs: dict[str, Path], steps: int) -> Path:
         records = runfiles.read_jsonl(run_dir / runfiles.METRICS)
         train, valid = runfiles.train_metrics(records), runfiles.valid_metrics(records)
         color = f"C{i}"
-        ax.plot([r["step"] for r in train], [r["loss"] for r in train], color=color, lw=1, alpha=0.6,
-                label=f"{variant} train")  # fmt: skip
-        ax.plot([r["step"] for r in valid], [r["loss"] for r in valid], color=color, lw=2, ls="--", marker="o",
-                label=f"{variant} validation")  # fmt: skip
-    ax.set(xlabel="step", ylabel="cross-entropy loss (nats/token)",
-           title=f"megagate demo: tiny GPT on Python stdlib text, {steps} steps: {' vs '.join(runs)}")  # fmt: skip
+        ax.plot(
+            [r["step"] for r in train],
+            [r["loss"] for r in train],
+            color=color,
+            lw=1,
+            alpha=0.6,
+            label=f"{variant} train",
+        )
+        ax.plot(
+            [r["step"] for r in valid],
+            [r["loss"] for r in valid],
+            color=color,
+            lw=2,
+            ls="--",
+            marker="o",
+            label=f"{variant} validation",
+        )
+    ax.set(
+        xlabel="step",
+        ylabel="cross-entropy loss (nats/token)",
+        title=f"megagate demo: tiny GPT on Python stdlib text, {steps} steps: {' vs '.join(runs)}",
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     return save(fig, out / "loss_curves.png")
@@ -163,8 +200,9 @@ def run(args: argparse.Namespace) -> int:
     variants = list(dict.fromkeys(args.variants))
     out = Path(args.out)
     base = config_mod.load(args.config)  # fail on a bad config before building anything
-    print(f"demo data: Python stdlib docstrings, code and licenses -> BPE {base.data.demo_vocab_size} tokens",
-          flush=True)  # fmt: skip
+    print(
+        f"demo data: Python stdlib docstrings, code and licenses -> BPE {base.data.demo_vocab_size} tokens", flush=True
+    )
     tokenizer, prefix = prepare_demo_data(args.data_dir, base.data.demo_vocab_size, base.data.demo_max_bytes)
     print(f"demo data: {prefix}.bin, tokenizer {tokenizer}", flush=True)
 

@@ -11,18 +11,39 @@ from megagate.errors import MegagateError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input", "-i", nargs="+", required=True, help="JSONL, JSONL.gz or text files, or folders of them")
+    parser.add_argument(
+        "--input", "-i", nargs="+", required=True, help="JSONL, JSONL.gz or text files, or folders of them"
+    )
     parser.add_argument("--output-prefix", "-o", required=True, help="outputs are <prefix>_<key>_document.bin/.idx")
-    parser.add_argument("--tokenizer", "-t", required=True, help="tokenizer.json, SentencePiece .model or tiktoken BPE file")
+    parser.add_argument(
+        "--tokenizer", "-t", required=True, help="tokenizer.json, SentencePiece .model or tiktoken BPE file"
+    )
     parser.add_argument("--engine", default="auto", help="for tokenizer.json: auto | fast | hf (default auto)")
-    parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to tokenize, one dataset each (default: text)")
-    parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True, help="end each document with the end-of-document token (default: on)")
-    parser.add_argument("--workers", "-w", type=int, default=None, help="tokenizer processes (default: CPU count; 0: in this process)")
-    parser.add_argument("--text-mode", default="file", help="plain-text inputs: file (one document per file) | line (one per line)")
+    parser.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="JSON keys to tokenize, one dataset each (default: text)"
+    )
+    parser.add_argument(
+        "--append-eod",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="end each document with the end-of-document token (default: on)",
+    )
+    parser.add_argument(
+        "--workers", "-w", type=int, default=None, help="tokenizer processes (default: CPU count; 0: in this process)"
+    )
+    parser.add_argument(
+        "--text-mode", default="file", help="plain-text inputs: file (one document per file) | line (one per line)"
+    )
     parser.add_argument("--bad-lines", default="skip", help="skip (count and report) | error (stop, write nothing)")
-    parser.add_argument("--eod-token", default=None, help="end-of-document token text (default: <|endoftext|>, </s>, ...)")
-    parser.add_argument("--tiktoken-pattern", default="cl100k", help="split regex for tiktoken files: gpt2 | cl100k | o200k | a regex")
-    parser.add_argument("--chunk-mb", type=float, default=1.0, help="input chunk size handed to a worker (default 1 MB)")
+    parser.add_argument(
+        "--eod-token", default=None, help="end-of-document token text (default: <|endoftext|>, </s>, ...)"
+    )
+    parser.add_argument(
+        "--tiktoken-pattern", default="cl100k", help="split regex for tiktoken files: gpt2 | cl100k | o200k | a regex"
+    )
+    parser.add_argument(
+        "--chunk-mb", type=float, default=1.0, help="input chunk size handed to a worker (default 1 MB)"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     parser.add_argument("--no-progress", action="store_true", help="no progress line")
 
@@ -60,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)  # callers running us in-process keep their own handling
     rate = res.total_tokens / max(res.seconds, 1e-9)
-    print(f"engine {res.engine}: {res.documents:,} documents, {res.total_tokens:,} tokens in {res.seconds:.1f} s ({rate:,.0f} tokens/s, {res.text_bytes / max(res.seconds, 1e-9) / 1e6:.1f} MB/s)")
+    print(
+        f"engine {res.engine}: {res.documents:,} documents, {res.total_tokens:,} tokens in {res.seconds:.1f} s ({rate:,.0f} tokens/s, {res.text_bytes / max(res.seconds, 1e-9) / 1e6:.1f} MB/s)"
+    )
     if res.bad_lines:
         detail = ", ".join(f"{n} {r}" for r, n in sorted(res.bad_by_reason.items()))
         print(f"skipped {res.bad_lines:,} bad records ({detail})", file=sys.stderr)

@@ -35,30 +35,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--qos")
     a.add_argument("--job-name", default=None, help="default: the config file's stem")
     a.add_argument("--array", default=None, help="Slurm job array spec, e.g. 0-7%%2")
-    a.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
-                   help="extra #SBATCH option, e.g. --exclusive (repeatable)")
+    a.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="extra #SBATCH option, e.g. --exclusive (repeatable)",
+    )
     s = parser.add_argument_group("software")
     s.add_argument("--container-image", help="pyxis/enroot image for srun --container-image")
-    s.add_argument("--container-mounts", action="append", default=[], metavar="SRC:DST",
-                   help="container mount (repeatable or comma-separated)")
+    s.add_argument(
+        "--container-mounts",
+        action="append",
+        default=[],
+        metavar="SRC:DST",
+        help="container mount (repeatable or comma-separated)",
+    )
     s.add_argument("--container-workdir")
     s.add_argument("--venv", help="virtual environment to activate")
     s.add_argument("--python", default="python", help="python executable (default: python on PATH)")
-    s.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="set an environment knob in the script (KEY= unsets a default; repeatable)")
+    s.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set an environment knob in the script (KEY= unsets a default; repeatable)",
+    )
     r = parser.add_argument_group("launch and restarts")
-    r.add_argument("--launcher", choices=LAUNCHERS, default="srun",
-                   help="srun: one task per GPU; torchrun: one torchrun per node")
-    r.add_argument("--command", default=DEFAULT_COMMAND,
-                   help=f"what each rank runs after python, before --config (default: {DEFAULT_COMMAND!r})")
-    r.add_argument("--signal-lead", type=int, default=300, metavar="SECONDS",
-                   help="SIGUSR1 this long before the time limit (default 300)")
+    r.add_argument(
+        "--launcher", choices=LAUNCHERS, default="srun", help="srun: one task per GPU; torchrun: one torchrun per node"
+    )
+    r.add_argument(
+        "--command",
+        default=DEFAULT_COMMAND,
+        help=f"what each rank runs after python, before --config (default: {DEFAULT_COMMAND!r})",
+    )
+    r.add_argument(
+        "--signal-lead",
+        type=int,
+        default=300,
+        metavar="SECONDS",
+        help="SIGUSR1 this long before the time limit (default 300)",
+    )
     r.add_argument("--max-restarts", type=int, default=50)
     r.add_argument("--max-same-failures", type=int, default=3)
     r.add_argument("--run-dir", default=None, help="restart state and scripts (default runs/<job-name>)")
-    r.add_argument("--progress-file", default=None,
-                   help="the trainer's latest-checkpoint marker (e.g. SAVE/latest_checkpointed_iteration.txt): "
-                        "repeated failures only count as the same when no progress was made")
+    r.add_argument(
+        "--progress-file",
+        default=None,
+        help="the trainer's latest-checkpoint marker (e.g. SAVE/latest_checkpointed_iteration.txt): "
+        "repeated failures only count as the same when no progress was made",
+    )
     r.add_argument("--log-dir", default="logs")
     r.add_argument("--master-addr", default=None, help="rendezvous host (default: first node)")
     parser.add_argument("--script-out", default=None, help="where to write the script (default under run dir)")
@@ -127,7 +154,9 @@ def render_for_config(
     """Check the config and its layout as the trainer will, then render the script. Nothing is written."""
     _, layout = check_job(request, config_path, overrides)
     script = render_batch_script(
-        request, train_argv(command, config_path, overrides), launcher=launcher,
+        request,
+        train_argv(command, config_path, overrides),
+        launcher=launcher,
         header=f"config: {config_path}\nlayout: {layout.describe()}\nbatch: {layout.describe_batch()}",
     )
     return layout, script

@@ -13,9 +13,9 @@ import math
 import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from megagate.errors import ConfigError
 
@@ -39,8 +39,13 @@ def _lr_label(lr: float) -> str:
     return f"{lr:g}".replace("+", "")
 
 
-def expand_grid(base_overrides: Sequence[str], lrs: Sequence[float], variants: Sequence[str], seeds: Sequence[int],
-                out_dir: str = "runs/sweep") -> list[RunSpec]:  # fmt: skip
+def expand_grid(
+    base_overrides: Sequence[str],
+    lrs: Sequence[float],
+    variants: Sequence[str],
+    seeds: Sequence[int],
+    out_dir: str = "runs/sweep",
+) -> list[RunSpec]:
     """The grid in a fixed order (variant, lr, seed); the grid's own keys override any in `base_overrides`."""
     from megagate.model import gate as gates
 
@@ -84,8 +89,9 @@ def check_grid(specs: Sequence[RunSpec], config_path: str, world_size: int = 1) 
             raise ConfigError(f"sweep point {spec.name}: {exc}") from None
 
 
-def run_local(specs: Sequence[RunSpec], config_path: str, command: Sequence[str] = TRAIN_COMMAND,
-              keep_going: bool = True) -> dict[str, int]:  # fmt: skip
+def run_local(
+    specs: Sequence[RunSpec], config_path: str, command: Sequence[str] = TRAIN_COMMAND, keep_going: bool = True
+) -> dict[str, int]:
     """Run each spec in turn (`command` + spec.argv); return name -> exit status.
 
     A diverged run that aborts (non-zero exit) is a result of a stability sweep, not a failure of the sweep:
@@ -104,7 +110,7 @@ def run_local(specs: Sequence[RunSpec], config_path: str, command: Sequence[str]
     return results
 
 
-def slurm_array(specs: Sequence[RunSpec], config_path: str, request: "SlurmRequest", launcher: str = "srun") -> str:  # noqa: F821
+def slurm_array(specs: Sequence[RunSpec], config_path: str, request: SlurmRequest, launcher: str = "srun") -> str:  # noqa: F821
     """An sbatch script running the grid as a job array (task i = specs[i]), via megagate.slurm's renderer."""
     import dataclasses
 
@@ -114,8 +120,9 @@ def slurm_array(specs: Sequence[RunSpec], config_path: str, request: "SlurmReque
         request = dataclasses.replace(request, array=f"0-{len(specs) - 1}")
     sweep = [[*spec.overrides, f"output.dir={spec.run_dir}"] for spec in specs]
     header = "\n".join([f"config: {config_path}", *(f"array task {i}: {spec.name}" for i, spec in enumerate(specs))])
-    return render_batch_script(request, ["-m", "megagate", "train", "--config", str(config_path)], launcher,
-                               sweep=sweep, header=header)  # fmt: skip
+    return render_batch_script(
+        request, ["-m", "megagate", "train", "--config", str(config_path)], launcher, sweep=sweep, header=header
+    )
 
 
 # --- command line ----------------------------------------------------------------------------------------------
@@ -136,8 +143,11 @@ def _ints(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="the base training config (YAML)")
     parser.add_argument("--lrs", type=_floats, required=True, help="learning rates, e.g. 1e-3,4e-3,8e-3")
-    parser.add_argument("--variants", default="baseline,g1-elementwise",
-                        help="gate presets, comma-separated (default: baseline,g1-elementwise)")  # fmt: skip
+    parser.add_argument(
+        "--variants",
+        default="baseline,g1-elementwise",
+        help="gate presets, comma-separated (default: baseline,g1-elementwise)",
+    )
     parser.add_argument("--seeds", type=_ints, default=[0], help="seeds, e.g. 0,1,2 (default: 0)")
     parser.add_argument("--out", default="runs/sweep", help="parent directory of the run directories")
     parser.add_argument("--slurm", action="store_true", help="render (and submit) a Slurm job array instead")
@@ -162,9 +172,15 @@ def run(args: argparse.Namespace) -> int:
         from megagate.slurm import SlurmRequest
 
         array = f"0-{len(specs) - 1}" + (f"%{args.max_parallel}" if args.max_parallel else "")
-        request = SlurmRequest(nodes=args.nodes, gpus_per_node=args.gpus_per_node, time=args.time,
-                               partition=args.partition, account=args.account, job_name="megagate-sweep",
-                               array=array)  # fmt: skip
+        request = SlurmRequest(
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            time=args.time,
+            partition=args.partition,
+            account=args.account,
+            job_name="megagate-sweep",
+            array=array,
+        )
     config_mod.load_yaml(args.config)  # a missing or broken file is one error, not one per grid point
     # local runs are single processes; each array task gets the request's nodes x GPUs ranks
     check_grid(specs, args.config, request.world_size if request is not None else 1)
@@ -185,9 +201,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     results = run_local(specs, args.config)
     failed = [name for name, status in results.items() if status]
-    print(f"[sweep] {len(results) - len(failed)}/{len(results)} runs exited 0" + (f"; non-zero: {', '.join(failed)}" if failed else ""))
+    print(
+        f"[sweep] {len(results) - len(failed)}/{len(results)} runs exited 0"
+        + (f"; non-zero: {', '.join(failed)}" if failed else "")
+    )
     return 0
 
 
 __all__ = ["RunSpec", "check_grid", "expand_grid", "run_local", "slurm_array"]
-

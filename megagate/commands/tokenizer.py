@@ -18,16 +18,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--vocab-size", type=int, default=32000)
     t.add_argument("--min-frequency", type=int, default=2)
     t.add_argument("--json-keys", nargs="+", default=["text"])
-    t.add_argument("--special-tokens", nargs="+", default=None, help="default: <|endoftext|> <|pad|> (the first is end-of-document)")
+    t.add_argument(
+        "--special-tokens",
+        nargs="+",
+        default=None,
+        help="default: <|endoftext|> <|pad|> (the first is end-of-document)",
+    )
     t.add_argument("--text-mode", default="file", help="plain-text inputs: file | line")
-    v = sub.add_parser("verify", help="encode the vocabulary, unicode probes and optional inputs with the fast and HF engines; compare ids")
+    v = sub.add_parser(
+        "verify",
+        help="encode the vocabulary, unicode probes and optional inputs with the fast and HF engines; compare ids",
+    )
     v.add_argument("tokenizer", help="tokenizer.json")
     v.add_argument("--input", "-i", nargs="*", default=[], help="also compare on these JSONL/text inputs")
     v.add_argument("--json-keys", nargs="+", default=["text"])
     v.add_argument("--probe-step", type=int, default=1, help="probe every n-th code point (default 1: all)")
 
 
-def iter_texts(inputs: Sequence[str], keys: Sequence[str], text_mode: str = "file", stats: dict | None = None) -> Iterator[str]:
+def iter_texts(
+    inputs: Sequence[str], keys: Sequence[str], text_mode: str = "file", stats: dict | None = None
+) -> Iterator[str]:
     """All valid texts of the inputs (every key), in input order; bad records are counted in `stats`."""
     from megagate.data.readers import expand_inputs, iter_chunks, parse_chunk
 
@@ -62,7 +72,9 @@ def _train(args) -> int:
     from megagate.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(path, engine="auto")
-    print(f"wrote {path}: {tok.vocab_size} tokens, end-of-document id {tok.eod}, padding id {tok.pad}, engine {tok.name}")
+    print(
+        f"wrote {path}: {tok.vocab_size} tokens, end-of-document id {tok.eod}, padding id {tok.pad}, engine {tok.name}"
+    )
     return 0
 
 
@@ -75,7 +87,9 @@ def _verify(args) -> int:
     try:
         fast = FastBPE.from_tokenizer_json(args.tokenizer)
     except UnsupportedVocabulary as exc:
-        raise ConfigError(f"{args.tokenizer}: the fast engine cannot express this vocabulary ({exc}); the hf engine will be used") from None
+        raise ConfigError(
+            f"{args.tokenizer}: the fast engine cannot express this vocabulary ({exc}); the hf engine will be used"
+        ) from None
     except (OSError, ValueError) as exc:
         raise MegagateError(f"{args.tokenizer}: cannot read ({exc})") from None
     bad = verify_vocabulary(args.tokenizer, fast, probe_step=max(1, args.probe_step))

@@ -12,8 +12,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="YAML training config")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides (values parsed as YAML)")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the plan; do not train")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="world size to plan for with --dry-run (default: from the launcher environment, else 1)")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="world size to plan for with --dry-run (default: from the launcher environment, else 1)",
+    )
 
 
 def describe(cfg: config_mod.TrainConfig, world_size: int) -> str:

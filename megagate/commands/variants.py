@@ -19,21 +19,31 @@ def parameter_table(model_presets: tuple[str, ...], variants: list[str], build: 
         for variant in variants:
             model = model_preset(preset, gate=gates.preset(variant))
             counts = parameter_counts(model)
-            rows.append({
-                "model": preset, "variant": variant, "total": counts["total"], "active": counts["active"],
-                "gate": counts["gate"], "ffn": model.effective_ffn_hidden_size,
-                "built": meta_parameter_count(model) if build else None,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "model": preset,
+                    "variant": variant,
+                    "total": counts["total"],
+                    "active": counts["active"],
+                    "gate": counts["gate"],
+                    "ffn": model.effective_ffn_hidden_size,
+                    "built": meta_parameter_count(model) if build else None,
+                }
+            )
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    header = f"{'model':10s} {'variant':30s} {'total':>15s} {'active':>15s} {'gate':>13s} {'ffn':>5s} {'built (meta)':>15s}"
+    header = (
+        f"{'model':10s} {'variant':30s} {'total':>15s} {'active':>15s} {'gate':>13s} {'ffn':>5s} {'built (meta)':>15s}"
+    )
     lines = [header, "-" * len(header)]
     for r in rows:
         built = "-" if r["built"] is None else f"{r['built']:,}"
-        lines.append(f"{r['model']:10s} {r['variant']:30s} {r['total']:>15,} {r['active']:>15,} {r['gate']:>13,} "
-                     f"{r['ffn']:>5d} {built:>15s}")  # fmt: skip
+        lines.append(
+            f"{r['model']:10s} {r['variant']:30s} {r['total']:>15,} {r['active']:>15,} {r['gate']:>13,} "
+            f"{r['ffn']:>5d} {built:>15s}"
+        )
     return "\n".join(lines)
 
 

@@ -49,7 +49,15 @@ class _BatchSource:
 class DaliLoader:
     """Iterable of micro-batch dicts produced by a DALI pipeline (a fresh pipeline per iteration pass)."""
 
-    def __init__(self, dataset, sampler: PretrainingSampler, seed: int = 0, device: str | None = None, num_threads: int = 1, prefetch: int = 2) -> None:
+    def __init__(
+        self,
+        dataset,
+        sampler: PretrainingSampler,
+        seed: int = 0,
+        device: str | None = None,
+        num_threads: int = 1,
+        prefetch: int = 2,
+    ) -> None:
         ok, why = dali_available()
         if not ok:
             raise ConfigError(f"data.loader 'dali': {why}; install nvidia-dali-cuda120 or use data.loader 'torch'")
@@ -63,7 +71,11 @@ class DaliLoader:
         use_gpu = device != "cpu" and torch.cuda.is_available()
         if device not in (None, "cpu") and not torch.cuda.is_available():
             raise ConfigError(f"DALI loader device {device!r}: no CUDA device here (allowed: cpu)")
-        self.device_id = (torch.device(device).index or 0 if device not in (None, "cpu") else torch.cuda.current_device()) if use_gpu else None
+        self.device_id = (
+            (torch.device(device).index or 0 if device not in (None, "cpu") else torch.cuda.current_device())
+            if use_gpu
+            else None
+        )
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -97,6 +109,12 @@ class DaliLoader:
         pipe, n = self._pipeline()
         if n == 0:
             return
-        it = DALIGenericIterator([pipe], list(BATCH_KEYS), auto_reset=False, last_batch_policy=LastBatchPolicy.PARTIAL, prepare_first_batch=False)
+        it = DALIGenericIterator(
+            [pipe],
+            list(BATCH_KEYS),
+            auto_reset=False,
+            last_batch_policy=LastBatchPolicy.PARTIAL,
+            prepare_first_batch=False,
+        )
         for out in it:
             yield {k: out[0][k] for k in BATCH_KEYS}

@@ -38,5 +38,12 @@ def prepare_demo_data(
     except MegagateError:
         pass  # missing or damaged: rebuild below
     corpus = build_demo_corpus(root, max_bytes)
-    preprocess([corpus], str(root / "corpus"), TokenizerSpec(str(tok_path), engine=engine), workers=workers, overwrite=True, progress=progress)
+    preprocess(
+        [corpus],
+        str(root / "corpus"),
+        TokenizerSpec(str(tok_path), engine=engine),
+        workers=workers,
+        overwrite=True,
+        progress=progress,
+    )
     return str(tok_path), prefix

@@ -39,7 +39,9 @@ class UnsupportedVocabulary(ValueError):
 @lru_cache(maxsize=1)
 def byte_decoder() -> dict[str, int]:
     """GPT-2's printable-unicode stand-in for each byte, inverted (char -> byte)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     n = 0
     for b in range(256):
@@ -94,13 +96,13 @@ class FastBPE:
         self.use_specials = use_specials
 
     @classmethod
-    def from_tokenizer_json(cls, path: str | os.PathLike) -> "FastBPE":
+    def from_tokenizer_json(cls, path: str | os.PathLike) -> FastBPE:
         with open(path, encoding="utf-8") as f:
             spec = json.load(f)
         return cls.from_spec(spec)
 
     @classmethod
-    def from_spec(cls, spec: dict) -> "FastBPE":
+    def from_spec(cls, spec: dict) -> FastBPE:
         import tiktoken
 
         model = spec.get("model") or {}
@@ -156,7 +158,9 @@ class FastBPE:
             if any(y != x and y.startswith(x) for y in contents):
                 raise UnsupportedVocabulary(f"added token {x!r} is a prefix of another added token")
         try:
-            enc = tiktoken.Encoding(name="megagate-fast-bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+            enc = tiktoken.Encoding(
+                name="megagate-fast-bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
+            )
         except Exception as exc:  # an HF (Oniguruma) regex that tiktoken's regex engine rejects
             raise UnsupportedVocabulary(f"pre-tokenizer regex not accepted by tiktoken ({exc})") from None
         return cls(enc, np.asarray(rank_ids, dtype=np.int64), bool(specials))

@@ -30,7 +30,16 @@ from megagate.errors import MegagateError
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 HEADER_BYTES = 9 + 8 + 1 + 8 + 8
 # megatron's DType codes
-DTYPE_CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.float64: 6, np.float32: 7, np.uint16: 8}
+DTYPE_CODES = {
+    np.uint8: 1,
+    np.int8: 2,
+    np.int16: 3,
+    np.int32: 4,
+    np.int64: 5,
+    np.float64: 6,
+    np.float32: 7,
+    np.uint16: 8,
+}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 _BLOCK = 1 << 20  # sequences per numpy block when writing the index
 
@@ -171,7 +180,9 @@ def read_index_header(idx_path: str) -> tuple[np.dtype, int, int]:
     n, d = struct.unpack("<QQ", head[18:34])
     expected = HEADER_BYTES + 4 * n + 8 * n + 8 * d
     if size != expected and size != expected + n:  # + n: multimodal files carry one mode byte per sequence
-        raise MegagateError(f"{idx_path}: corrupt or truncated index: {size} bytes, header promises {expected} ({n} sequences, {d} documents)")
+        raise MegagateError(
+            f"{idx_path}: corrupt or truncated index: {size} bytes, header promises {expected} ({n} sequences, {d} documents)"
+        )
     return np.dtype(CODE_DTYPES[code]), n, d
 
 
@@ -181,7 +192,9 @@ def validate(prefix: str, vocab_size: int | None = None) -> dict:
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
     for p in (idx_path, bin_path):
         if not os.path.isfile(p):
-            raise MegagateError(f"{p}: missing (a dataset prefix needs both .bin and .idx; was preprocessing interrupted?)")
+            raise MegagateError(
+                f"{p}: missing (a dataset prefix needs both .bin and .idx; was preprocessing interrupted?)"
+            )
     dtype, n, d = read_index_header(idx_path)
     mm = np.memmap(idx_path, mode="r", dtype=np.uint8)
     lengths = np.frombuffer(mm, dtype=np.int32, count=n, offset=HEADER_BYTES)
@@ -192,7 +205,9 @@ def validate(prefix: str, vocab_size: int | None = None) -> dict:
     expected_ptr = np.concatenate([[0], np.cumsum(lengths[:-1].astype(np.int64) * dtype.itemsize)]) if n else pointers
     if n and not np.array_equal(pointers, expected_ptr):
         bad = int(np.argmax(pointers != expected_ptr))
-        raise MegagateError(f"{idx_path}: corrupt index: pointer of sequence {bad} is {int(pointers[bad])}, lengths say {int(expected_ptr[bad])}")
+        raise MegagateError(
+            f"{idx_path}: corrupt index: pointer of sequence {bad} is {int(pointers[bad])}, lengths say {int(expected_ptr[bad])}"
+        )
     if d == 0 or docs[0] != 0 or docs[-1] != n or (d > 1 and np.any(np.diff(docs) < 0)):
         raise MegagateError(f"{idx_path}: corrupt index: document indices must rise from 0 to {n}")
     total = int(lengths.astype(np.int64).sum())
@@ -204,7 +219,9 @@ def validate(prefix: str, vocab_size: int | None = None) -> dict:
     if vocab_size is not None and total:
         top = _max_token(bin_path, dtype, total)
         if top >= vocab_size:
-            raise MegagateError(f"{bin_path}: token id {top} >= vocabulary size {vocab_size} (wrong tokenizer or corrupt data)")
+            raise MegagateError(
+                f"{bin_path}: token id {top} >= vocabulary size {vocab_size} (wrong tokenizer or corrupt data)"
+            )
     return {"dtype": dtype, "sequences": n, "documents": d - 1, "tokens": total, "lengths": np.array(lengths)}
 
 

@@ -53,7 +53,9 @@ def parse_blend(blend) -> tuple[list[str], list[float] | None]:
         return prefixes, weights
     if all(_is_number(x) for x in items[0::2]) and len(items) % 2 == 0 and not all(_is_number(x) for x in items):
         return [str(p) for p in items[1::2]], [_weight(w) for w in items[0::2]]
-    require(not any(_is_number(x) for x in items), f"blend {items!r}: use either prefixes only or 'weight prefix' pairs")
+    require(
+        not any(_is_number(x) for x in items), f"blend {items!r}: use either prefixes only or 'weight prefix' pairs"
+    )
     return [str(p) for p in items], None
 
 
@@ -195,8 +197,13 @@ def _check_split(split: str) -> None:
     try:
         parts = [float(x) for x in split.replace("/", ",").split(",")]
     except ValueError:
-        raise ConfigError(f"split {split!r}: expected up to three comma-separated non-negative weights, e.g. 969,30,1") from None
-    require(1 <= len(parts) <= 3 and all(p >= 0 for p in parts) and sum(parts) > 0, f"split {split!r}: expected up to three comma-separated non-negative weights with a positive sum")
+        raise ConfigError(
+            f"split {split!r}: expected up to three comma-separated non-negative weights, e.g. 969,30,1"
+        ) from None
+    require(
+        1 <= len(parts) <= 3 and all(p >= 0 for p in parts) and sum(parts) > 0,
+        f"split {split!r}: expected up to three comma-separated non-negative weights with a positive sum",
+    )
 
 
 def build_loader(
@@ -220,7 +227,9 @@ def build_loader(
     """
     require(kind in LOADER_KINDS, f"data.loader {kind!r}: allowed values are {', '.join(LOADER_KINDS)}")
     require(num_workers >= 0, f"num_workers={num_workers}: must be >= 0")
-    sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, drop_last)
+    sampler = PretrainingSampler(
+        len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size, drop_last
+    )
     if kind == "dali":
         from megagate.data.dali_loader import DaliLoader
 

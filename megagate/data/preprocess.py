@@ -187,7 +187,10 @@ def preprocess(
     require(len(set(keys)) == len(keys), f"JSON keys {list(keys)}: each key may appear once")
     for k in keys:
         require(bool(k) and "/" not in k, f"JSON key {k!r}: must be non-empty and contain no '/'")
-    require(bad_lines in BAD_LINE_POLICIES, f"bad-line policy {bad_lines!r}: allowed values are {', '.join(BAD_LINE_POLICIES)}")
+    require(
+        bad_lines in BAD_LINE_POLICIES,
+        f"bad-line policy {bad_lines!r}: allowed values are {', '.join(BAD_LINE_POLICIES)}",
+    )
     workers = (os.cpu_count() or 1) if workers is None else workers
     require(0 <= workers <= 1024, f"workers={workers}: must be between 0 and 1024")
     require(chunk_bytes >= 1024, f"chunk_bytes={chunk_bytes}: must be at least 1024")
@@ -195,7 +198,10 @@ def preprocess(
     files = expand_inputs(inputs)
     if len(keys) > 1:
         text_files = [str(f) for f in files if input_kind(f) == "text"]
-        require(not text_files, f"input {text_files[0] if text_files else ''!r} is plain text, which has one text per document; several JSON keys need JSONL inputs")
+        require(
+            not text_files,
+            f"input {text_files[0] if text_files else ''!r} is plain text, which has one text per document; several JSON keys need JSONL inputs",
+        )
     tok = spec.load()  # in the main process only for metadata (vocabulary size, eod) and early errors
     dtype = token_dtype(tok.vocab_size)
     prefixes = {k: output_prefix_for(output_prefix, k) for k in keys}
@@ -236,9 +242,17 @@ def preprocess(
             result.documents += res.documents
             result.text_bytes += res.text_bytes
             result.blank_lines += res.blank
-            prog.update(docs=res.documents, tokens=sum(int(t.size) for t, _ in res.per_key), text_bytes=res.text_bytes, bad=len(res.bad), disk_done=reader_pos[0])
+            prog.update(
+                docs=res.documents,
+                tokens=sum(int(t.size) for t, _ in res.per_key),
+                text_bytes=res.text_bytes,
+                bad=len(res.bad),
+                disk_done=reader_pos[0],
+            )
         if result.documents == 0:
-            raise MegagateError(f"no valid documents in {', '.join(map(str, inputs))} ({result.bad_lines} bad records); nothing written")
+            raise MegagateError(
+                f"no valid documents in {', '.join(map(str, inputs))} ({result.bad_lines} bad records); nothing written"
+            )
         for key, w in writers.items():
             w.finalize()
             _write_meta(prefixes[key], spec, tok, key, append_eod, w)

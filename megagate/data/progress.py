@@ -26,7 +26,9 @@ def _hms(seconds: float) -> str:
 class Progress:
     """Counters plus a rate-limited display. `update(...)` adds to the counters."""
 
-    def __init__(self, total_bytes: int, stream: TextIO | None = None, enabled: bool = True, log_every: float = 10.0) -> None:
+    def __init__(
+        self, total_bytes: int, stream: TextIO | None = None, enabled: bool = True, log_every: float = 10.0
+    ) -> None:
         self.total_bytes = max(1, total_bytes)
         self.stream = stream or sys.stderr
         self.enabled = enabled
@@ -37,7 +39,9 @@ class Progress:
         self.docs = self.tokens = self.text_bytes = self.bad = 0
         self.disk_done = 0
 
-    def update(self, docs: int = 0, tokens: int = 0, text_bytes: int = 0, bad: int = 0, disk_done: int | None = None) -> None:
+    def update(
+        self, docs: int = 0, tokens: int = 0, text_bytes: int = 0, bad: int = 0, disk_done: int | None = None
+    ) -> None:
         self.docs += docs
         self.tokens += tokens
         self.text_bytes += text_bytes

@@ -47,7 +47,9 @@ def expand_inputs(paths: Sequence[str | os.PathLike]) -> list[Path]:
                 key=lambda q: q.relative_to(p).as_posix(),
             )
             found = [q for q in found if _supported(q)]
-            require(bool(found), f"input folder {str(p)!r} holds no supported files (allowed: {ALLOWED})", MegagateError)
+            require(
+                bool(found), f"input folder {str(p)!r} holds no supported files (allowed: {ALLOWED})", MegagateError
+            )
             out += found
         elif p.is_file():
             input_kind(p)  # raises on unsupported types
@@ -94,7 +96,9 @@ class _Opened:
         self.raw.close()
 
 
-def iter_chunks(files: Sequence[Path], text_mode: str = "file", chunk_bytes: int = 1 << 20, on_progress=None) -> Iterator[Chunk]:
+def iter_chunks(
+    files: Sequence[Path], text_mode: str = "file", chunk_bytes: int = 1 << 20, on_progress=None
+) -> Iterator[Chunk]:
     """Cut the inputs into chunks of about `chunk_bytes`; `on_progress(disk_bytes_done)` after each chunk."""
     require(text_mode in TEXT_MODES, f"text mode {text_mode!r}: allowed values are {', '.join(TEXT_MODES)}")
     seq = 0
@@ -135,7 +139,9 @@ def iter_chunks(files: Sequence[Path], text_mode: str = "file", chunk_bytes: int
                                 on_progress(done_disk + f.disk_pos())
                             chunk = Chunk(seq, str(path), rec_kind, lineno)
                 except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as exc:
-                    raise MegagateError(f"{path}: unreadable or truncated compressed input after line {lineno - 1} ({exc})") from None
+                    raise MegagateError(
+                        f"{path}: unreadable or truncated compressed input after line {lineno - 1} ({exc})"
+                    ) from None
                 if chunk.records:
                     seq += 1
                     yield chunk

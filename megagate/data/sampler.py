@@ -32,8 +32,14 @@ class PretrainingSampler:
         require(self.total_samples > 0, f"dataset has {self.total_samples} samples; nothing to load")
         require(self.micro_batch_size > 0, f"micro_batch_size={self.micro_batch_size}: must be > 0")
         require(self.data_parallel_size > 0, f"data_parallel_size={self.data_parallel_size}: must be > 0")
-        require(0 <= self.data_parallel_rank < self.data_parallel_size, f"data_parallel_rank={self.data_parallel_rank}: must be in [0, {self.data_parallel_size})")
-        require(0 <= self.consumed_samples < self.total_samples, f"consumed_samples={self.consumed_samples}: must be in [0, {self.total_samples}) for a dataset of {self.total_samples} samples")
+        require(
+            0 <= self.data_parallel_rank < self.data_parallel_size,
+            f"data_parallel_rank={self.data_parallel_rank}: must be in [0, {self.data_parallel_size})",
+        )
+        require(
+            0 <= self.consumed_samples < self.total_samples,
+            f"consumed_samples={self.consumed_samples}: must be in [0, {self.total_samples}) for a dataset of {self.total_samples} samples",
+        )
 
     @property
     def global_batch(self) -> int:
@@ -42,7 +48,9 @@ class PretrainingSampler:
     def __len__(self) -> int:
         left = self.total_samples - self.consumed_samples
         full = left // self.global_batch
-        return full + (0 if self.drop_last or left % self.global_batch <= self.data_parallel_rank * self.micro_batch_size else 1)
+        return full + (
+            0 if self.drop_last or left % self.global_batch <= self.data_parallel_rank * self.micro_batch_size else 1
+        )
 
     def __iter__(self) -> Iterator[list[int]]:
         start = self.data_parallel_rank * self.micro_batch_size

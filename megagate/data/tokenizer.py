@@ -96,8 +96,12 @@ class HFTokenizer(Tokenizer):
         except Exception as exc:  # tokenizers raises plain Exception on malformed files
             raise MegagateError(f"{path}: not a readable HF tokenizer.json ({str(exc).splitlines()[0]})") from None
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
-        self.eod = _special_id(self.hf.token_to_id, eod_token, (EOD_TOKEN, "</s>", "<eos>", "<|end_of_text|>"), path, "end-of-document")
-        self.pad = _special_id(self.hf.token_to_id, pad_token, (PAD_TOKEN, "<pad>", "[PAD]"), path, "padding", required=False)
+        self.eod = _special_id(
+            self.hf.token_to_id, eod_token, (EOD_TOKEN, "</s>", "<eos>", "<|end_of_text|>"), path, "end-of-document"
+        )
+        self.pad = _special_id(
+            self.hf.token_to_id, pad_token, (PAD_TOKEN, "<pad>", "[PAD]"), path, "padding", required=False
+        )
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         encs = self.hf.encode_batch(list(texts), add_special_tokens=False)
@@ -145,7 +149,9 @@ class SentencePieceTokenizer(Tokenizer):
         eos = self.sp.eos_id()
         self.eod = _special_id(piece_id, eod_token, (), path, "end-of-document", default=eos if eos >= 0 else None)
         pad = self.sp.pad_id()
-        self.pad = _special_id(piece_id, pad_token, (), path, "padding", required=False, default=pad if pad >= 0 else None)
+        self.pad = _special_id(
+            piece_id, pad_token, (), path, "padding", required=False, default=pad if pad >= 0 else None
+        )
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.asarray(ids, dtype=np.int64) for ids in self.sp.Encode(list(texts))]
@@ -169,7 +175,9 @@ class TiktokenFileTokenizer(Tokenizer):
 
     name = "tiktoken"
 
-    def __init__(self, path: str, pattern: str = "cl100k", eod_token: str | None = None, pad_token: str | None = None) -> None:
+    def __init__(
+        self, path: str, pattern: str = "cl100k", eod_token: str | None = None, pad_token: str | None = None
+    ) -> None:
         import tiktoken
 
         self.path = str(path)
@@ -179,9 +187,13 @@ class TiktokenFileTokenizer(Tokenizer):
         # tiktoken files carry no special tokens: end-of-document and padding follow the last rank
         specials = {eod_token or EOD_TOKEN: n, pad_token or PAD_TOKEN: n + 1}
         try:
-            self.enc = tiktoken.Encoding(name=Path(path).stem, pat_str=pat, mergeable_ranks=ranks, special_tokens=specials)
+            self.enc = tiktoken.Encoding(
+                name=Path(path).stem, pat_str=pat, mergeable_ranks=ranks, special_tokens=specials
+            )
         except Exception as exc:
-            raise ConfigError(f"tiktoken pattern {pattern!r}: not a valid regex or name (allowed names: {', '.join(TIKTOKEN_PATTERNS)}) ({exc})") from None
+            raise ConfigError(
+                f"tiktoken pattern {pattern!r}: not a valid regex or name (allowed names: {', '.join(TIKTOKEN_PATTERNS)}) ({exc})"
+            ) from None
         self.vocab_size = n + len(specials)
         self.eod = specials[eod_token or EOD_TOKEN]
         self.pad = specials.get(pad_token or PAD_TOKEN)
@@ -198,14 +210,20 @@ def read_tiktoken_bpe(path: str) -> dict[bytes, int]:
     ranks: dict[bytes, int] = {}
     try:
         with open(path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
+            for lineno, line in enumerate(f, 1):  # noqa: B007 (lineno names the bad line in the except below)
                 if not line.strip():
                     continue
                 token, rank = line.split()
                 ranks[base64.b64decode(token, validate=True)] = int(rank)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise MegagateError(f"{path}:{lineno}: not a tiktoken BPE file (expected 'base64-token rank' lines; {exc})") from None
-    require(len(ranks) >= 256, f"{path}: a tiktoken BPE file needs at least the 256 single bytes, found {len(ranks)} tokens", MegagateError)
+        raise MegagateError(
+            f"{path}:{lineno}: not a tiktoken BPE file (expected 'base64-token rank' lines; {exc})"
+        ) from None
+    require(
+        len(ranks) >= 256,
+        f"{path}: a tiktoken BPE file needs at least the 256 single bytes, found {len(ranks)} tokens",
+        MegagateError,
+    )
     return ranks
 
 
@@ -218,7 +236,15 @@ def write_tiktoken_bpe(ranks: dict[bytes, int], path: str | os.PathLike) -> None
     os.replace(tmp, path)
 
 
-def _special_id(lookup, name: str | None, candidates: Sequence[str], path, what: str, required: bool = True, default: int | None = None) -> int | None:
+def _special_id(
+    lookup,
+    name: str | None,
+    candidates: Sequence[str],
+    path,
+    what: str,
+    required: bool = True,
+    default: int | None = None,
+) -> int | None:
     if name is not None:
         i = lookup(name)
         require(i is not None, f"{what} token {name!r} is not in the vocabulary of {path}")
@@ -230,7 +256,9 @@ def _special_id(lookup, name: str | None, candidates: Sequence[str], path, what:
     if default is not None:
         return int(default)
     if required:
-        raise ConfigError(f"{path}: no {what} token found (looked for {', '.join(candidates) or 'the model eos'}); name one with --eod-token")
+        raise ConfigError(
+            f"{path}: no {what} token found (looked for {', '.join(candidates) or 'the model eos'}); name one with --eod-token"
+        )
     return None
 
 
@@ -250,7 +278,9 @@ def detect_format(path: str | os.PathLike) -> str:
         return "tiktoken"
     if p.suffix == ".model" or head[:1] == b"\n":  # SentencePiece ModelProto starts with field 1 (pieces)
         return "sentencepiece"
-    raise MegagateError(f"{path}: unknown tokenizer format (allowed: HF tokenizer.json, SentencePiece .model, tiktoken BPE file)")
+    raise MegagateError(
+        f"{path}: unknown tokenizer format (allowed: HF tokenizer.json, SentencePiece .model, tiktoken BPE file)"
+    )
 
 
 def load_tokenizer(
@@ -291,7 +321,10 @@ def train_bpe(
     from tokenizers import Tokenizer as _HF
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    require(vocab_size >= 256 + len(special_tokens) + 1, f"vocab_size={vocab_size}: must be at least {256 + len(special_tokens) + 1} (256 bytes + special tokens + 1 merge)")
+    require(
+        vocab_size >= 256 + len(special_tokens) + 1,
+        f"vocab_size={vocab_size}: must be at least {256 + len(special_tokens) + 1} (256 bytes + special tokens + 1 merge)",
+    )
     require(vocab_size <= 2**31 - 1, f"vocab_size={vocab_size}: too large")
     require(min_frequency >= 1, f"min_frequency={min_frequency}: must be >= 1")
     tok = _HF(models.BPE())
@@ -328,7 +361,11 @@ class MegatronTokenizerAdapter:
         self.vocab_size = tokenizer.vocab_size
         self.eod = tokenizer.eod
         self.eos = tokenizer.eod
-        self.unique_identifiers = {"class": type(tokenizer).__name__, "sha256": tokenizer.fingerprint(), "eod": tokenizer.eod}
+        self.unique_identifiers = {
+            "class": type(tokenizer).__name__,
+            "sha256": tokenizer.fingerprint(),
+            "eod": tokenizer.eod,
+        }
 
     @property
     def pad(self) -> int:

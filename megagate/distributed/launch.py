@@ -154,9 +154,7 @@ def _check_ranks(env: DistEnv) -> DistEnv:
     if not 0 <= env.rank < env.world_size:
         raise LaunchError(f"{name} environment: rank {env.rank} is outside 0..{env.world_size - 1}")
     if not 0 <= env.local_rank < env.local_world_size:
-        raise LaunchError(
-            f"{name} environment: local rank {env.local_rank} is outside 0..{env.local_world_size - 1}"
-        )
+        raise LaunchError(f"{name} environment: local rank {env.local_rank} is outside 0..{env.local_world_size - 1}")
     if not 0 <= env.node_rank < env.num_nodes:
         raise LaunchError(f"{name} environment: node rank {env.node_rank} is outside 0..{env.num_nodes - 1}")
     if not 0 < env.master_port < 65536:
@@ -172,7 +170,9 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
     if not addr:
         raise LaunchError("torchrun environment is incomplete: MASTER_ADDR is not set")
     if world % local_world:
-        raise LaunchError(f"torchrun environment: WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}")
+        raise LaunchError(
+            f"torchrun environment: WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}"
+        )
     return _check_ranks(
         DistEnv(
             rank=_int(env, "RANK", src),
@@ -248,8 +248,9 @@ def resolve_env(environ: Mapping[str, str] | None = None, *, allow_single: bool 
         )
     if not allow_single:
         raise LaunchError("no launcher environment: set RANK/WORLD_SIZE/LOCAL_RANK (torchrun) or run under srun")
-    return DistEnv(0, 1, 0, 1, 0, 1, env.get("MASTER_ADDR") or "127.0.0.1",
-                   int(env.get("MASTER_PORT") or DEFAULT_PORT), "single")
+    return DistEnv(
+        0, 1, 0, 1, 0, 1, env.get("MASTER_ADDR") or "127.0.0.1", int(env.get("MASTER_PORT") or DEFAULT_PORT), "single"
+    )
 
 
 def export_env(dist: DistEnv, environ: dict[str, str] | None = None) -> None:

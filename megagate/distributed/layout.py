@@ -16,13 +16,16 @@ one-line `ConfigError` naming the sizes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megagate.errors import ConfigError
 from megagate.model.config import ParallelConfig
 
-_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-          "context_parallel_size")  # fmt: skip
+_SIZES = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "context_parallel_size",
+)
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class Layout:
     global_batch_size: int
     num_microbatches: int
     num_experts: int = 0
-    vpp: Optional[int] = None
+    vpp: int | None = None
 
     @property
     def etp(self) -> int:
@@ -62,8 +65,10 @@ class Layout:
 
     def describe_batch(self) -> str:
         """One line, e.g. ``global 1024 = micro 2 x DP 64 x 8 micro-batches``."""
-        return (f"global {self.global_batch_size} = micro {self.micro_batch_size} x DP {self.dp} x "
-                f"{self.num_microbatches} micro-batches")  # fmt: skip
+        return (
+            f"global {self.global_batch_size} = micro {self.micro_batch_size} x DP {self.dp} x "
+            f"{self.num_microbatches} micro-batches"
+        )
 
 
 def _integer(value: object) -> bool:
@@ -81,8 +86,9 @@ def check_parallel(parallel: ParallelConfig, num_experts: int = 0) -> None:
         if not _integer(vpp) or vpp < 1:
             raise ConfigError(f"parallel.virtual_pipeline_model_parallel_size={vpp!r} must be >= 1 (or unset)")
         if pp < 2:
-            raise ConfigError(f"parallel.virtual_pipeline_model_parallel_size ({vpp}) needs "
-                              "pipeline_model_parallel_size > 1")  # fmt: skip
+            raise ConfigError(
+                f"parallel.virtual_pipeline_model_parallel_size ({vpp}) needs pipeline_model_parallel_size > 1"
+            )
     ep = parallel.expert_model_parallel_size
     if ep > 1 and not num_experts:
         raise ConfigError(f"parallel.expert_model_parallel_size ({ep}) needs an MoE model (model.num_experts > 0)")
@@ -107,26 +113,48 @@ def layout(
     for name, value in (("micro_batch_size", micro_batch_size), ("global_batch_size", global_batch_size)):
         if not _integer(value) or value < 1:
             raise ConfigError(f"train.{name}={value!r} must be positive")
-    tp, pp, cp, ep = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
-                      parallel.context_parallel_size, parallel.expert_model_parallel_size)  # fmt: skip
+    tp, pp, cp, ep = (
+        parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        parallel.context_parallel_size,
+        parallel.expert_model_parallel_size,
+    )
     model_parallel = tp * pp * cp
     if world_size % model_parallel:
-        raise ConfigError(f"world size {world_size} is not divisible by TP ({tp}) x PP ({pp}) x CP ({cp}) = "
-                          f"{model_parallel}")  # fmt: skip
+        raise ConfigError(
+            f"world size {world_size} is not divisible by TP ({tp}) x PP ({pp}) x CP ({cp}) = {model_parallel}"
+        )
     dp = world_size // model_parallel
     if (dp * cp) % ep:  # = world % (ETP x EP x PP) with ETP = TP: the expert grid does not fill the world
-        raise ConfigError(f"parallel.expert_model_parallel_size ({ep}) must divide DP ({dp}) x CP ({cp}) = {dp * cp}: "
-                          f"megatron's expert grid ETP ({tp}) x EP ({ep}) x PP ({pp}) = {tp * ep * pp} must divide "
-                          f"world size {world_size}")  # fmt: skip
+        raise ConfigError(
+            f"parallel.expert_model_parallel_size ({ep}) must divide DP ({dp}) x CP ({cp}) = {dp * cp}: "
+            f"megatron's expert grid ETP ({tp}) x EP ({ep}) x PP ({pp}) = {tp * ep * pp} must divide "
+            f"world size {world_size}"
+        )
     per_step = micro_batch_size * dp
     if global_batch_size % per_step:
-        raise ConfigError(f"train.global_batch_size ({global_batch_size}) must be divisible by micro_batch_size "
-                          f"({micro_batch_size}) x data-parallel size ({dp}) = {per_step}")  # fmt: skip
+        raise ConfigError(
+            f"train.global_batch_size ({global_batch_size}) must be divisible by micro_batch_size "
+            f"({micro_batch_size}) x data-parallel size ({dp}) = {per_step}"
+        )
     num_microbatches = global_batch_size // per_step
     vpp = parallel.virtual_pipeline_model_parallel_size
     if vpp is not None and num_microbatches % pp:
-        raise ConfigError(f"train.global_batch_size ({global_batch_size}) gives {num_microbatches} micro-batches per "
-                          f"step; the interleaved pipeline schedule (virtual_pipeline_model_parallel_size={vpp}) needs "
-                          f"a multiple of pipeline_model_parallel_size ({pp})")  # fmt: skip
-    return Layout(world_size, tp, pp, cp, ep, dp, micro_batch_size, global_batch_size, num_microbatches,
-                  num_experts=num_experts, vpp=vpp)  # fmt: skip
+        raise ConfigError(
+            f"train.global_batch_size ({global_batch_size}) gives {num_microbatches} micro-batches per "
+            f"step; the interleaved pipeline schedule (virtual_pipeline_model_parallel_size={vpp}) needs "
+            f"a multiple of pipeline_model_parallel_size ({pp})"
+        )
+    return Layout(
+        world_size,
+        tp,
+        pp,
+        cp,
+        ep,
+        dp,
+        micro_batch_size,
+        global_batch_size,
+        num_microbatches,
+        num_experts=num_experts,
+        vpp=vpp,
+    )

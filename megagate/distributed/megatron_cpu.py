@@ -25,7 +25,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from packaging.version import Version
@@ -81,9 +82,22 @@ PATCHED_MODULES = (
 )
 
 _FACTORIES = (
-    "zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint", "randperm",
-    "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor",
-)  # fmt: skip
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "tensor",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "as_tensor",
+)
 
 _installed = False
 
@@ -316,4 +330,3 @@ def unshare_adam_steps(optimizer: Any) -> None:
         for state in getattr(inner, "state", {}).values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
-

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 
@@ -30,7 +30,7 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> Non
     model_parallel_cuda_manual_seed(seed)
 
 
-def init_distributed(rank: int, world_size: int, init_file: str, backend: Optional[str] = None) -> None:
+def init_distributed(rank: int, world_size: int, init_file: str, backend: str | None = None) -> None:
     """torch.distributed over a shared file (tests, single-host runs); gloo without CUDA."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     torch.distributed.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)

@@ -23,7 +23,8 @@ G2/G3/G4 gate the projected value/key/query before QK-norm and RoPE (the paper's
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -84,7 +85,7 @@ class GatedSelfAttention(SelfAttention):
         self.linear_qkv_out_dim += extra_rows
         # Diagnostics (megagate.monitor) set this to receive the gate scores [sq, b, heads, w] of each forward;
         # None (the default) costs one attribute check.
-        self.score_observer: Optional[Callable[["GatedSelfAttention", Tensor], None]] = None
+        self.score_observer: Callable[[GatedSelfAttention, Tensor], None] | None = None
         self._build_gate_parameters(tp_size)
 
     # --- parameters ----------------------------------------------------------------------------------------------
@@ -165,10 +166,15 @@ class GatedSelfAttention(SelfAttention):
         sq, b = mixed_qkv.shape[:2]
         parts = split_rows(mixed_qkv.movedim(-1, 0), layout)  # {name: [ng_p, rows, sq, b]}
         parts = {name: t.movedim(1, -1) for name, t in parts.items()}  # {name: [ng_p, sq, b, rows]}
+
         def per_head(t: Tensor, heads_per_group: int) -> Tensor:
             # [ng_p, sq, b, hpg * d] -> [sq, b, ng_p * hpg, d]
             ng = t.shape[0]
-            return t.reshape(ng, sq, b, heads_per_group, -1).permute(1, 2, 0, 3, 4).reshape(sq, b, ng * heads_per_group, -1)
+            return (
+                t.reshape(ng, sq, b, heads_per_group, -1)
+                .permute(1, 2, 0, 3, 4)
+                .reshape(sq, b, ng * heads_per_group, -1)
+            )
 
         query = per_head(parts["q"], layout.heads_per_group)
         key = per_head(parts["k"], 1)
@@ -227,7 +233,7 @@ class GatedSelfAttention(SelfAttention):
         return combine(y, scores, self.gate.combine)
 
     # --- checkpointing ----------------------------------------------------------------------------------------------
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """megatron's default (gate parameters replicated), with the table's TP-sharded entries split on their axis."""
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         axes = {e.name: e.checkpoint_axis for e in self.gate_params if e.checkpoint_axis is not None}

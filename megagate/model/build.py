@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,10 +16,10 @@ def transformer_config(
     parallel: ParallelConfig = ParallelConfig(),
     *,
     params_dtype: torch.dtype = torch.float32,
-    use_cpu: Optional[bool] = None,
+    use_cpu: bool | None = None,
     perform_initialization: bool = True,
     **extra: Any,
-) -> "TransformerConfig":  # noqa: F821
+) -> TransformerConfig:  # noqa: F821
     """megatron's TransformerConfig for `model` under `parallel` (CPU-safe fusions off when CUDA is absent)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -85,21 +85,26 @@ def transformer_config(
 
 def build_gpt_model(
     model: ModelConfig,
-    config: "TransformerConfig",  # noqa: F821
+    config: TransformerConfig,  # noqa: F821
     *,
     backend: str = "local",
     pre_process: bool = True,
     post_process: bool = True,
-    vp_stage: Optional[int] = None,
-) -> "GPTModel":  # noqa: F821
+    vp_stage: int | None = None,
+) -> GPTModel:  # noqa: F821
     """A megatron GPTModel built from the gated decoder block spec (this pipeline stage's part)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from megagate.model.spec import gated_decoder_block_spec
 
-    block = gated_decoder_block_spec(config, model.gate, backend=backend, vp_stage=vp_stage,
-                                     tp_size=parallel_state.get_tensor_model_parallel_world_size())  # fmt: skip
+    block = gated_decoder_block_spec(
+        config,
+        model.gate,
+        backend=backend,
+        vp_stage=vp_stage,
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+    )
     return GPTModel(
         config=config,
         transformer_layer_spec=block,

@@ -8,8 +8,9 @@ Pure data, no megatron (`megagate.model.build` turns these into megatron objects
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from megagate.errors import ConfigError
 from megagate.model.counts import gate_parameter_count
@@ -47,8 +48,16 @@ class ModelConfig:
     gate: GateConfig = field(default_factory=GateConfig)
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
-                     "ffn_hidden_size", "vocab_size", "max_sequence_length"):  # fmt: skip
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "head_dim",
+            "ffn_hidden_size",
+            "vocab_size",
+            "max_sequence_length",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"model.{name}={value!r} must be a positive integer")
@@ -76,14 +85,18 @@ class ModelConfig:
         """The dense FFN width actually built: shrunk for gated dense models when match_baseline_params is set."""
         if self.is_moe or not self.match_baseline_params:
             return self.ffn_hidden_size
-        added = gate_parameter_count(self.gate, self.hidden_size, self.num_attention_heads,
-                                     self.num_query_groups, self.head_dim) + self._sandwich_params()  # fmt: skip
+        added = (
+            gate_parameter_count(
+                self.gate, self.hidden_size, self.num_attention_heads, self.num_query_groups, self.head_dim
+            )
+            + self._sandwich_params()
+        )
         return matched_ffn_width(self.ffn_hidden_size, self.hidden_size, added, self.ffn_multiple)
 
     def _sandwich_params(self) -> int:
         return 2 * self.hidden_size if self.gate.sandwich_norm else 0
 
-    def with_gate(self, gate: GateConfig) -> "ModelConfig":
+    def with_gate(self, gate: GateConfig) -> ModelConfig:
         return dataclasses.replace(self, gate=gate)
 
 
@@ -103,20 +116,67 @@ QWEN_VOCAB = 151_936
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The paper's Table 7.
-    "1.7b-28l": dict(num_layers=28, hidden_size=2048, num_attention_heads=16, num_query_groups=8, head_dim=128,
-                     ffn_hidden_size=6144, vocab_size=QWEN_VOCAB, tie_embeddings=True),
-    "1.7b-48l": dict(num_layers=48, hidden_size=1536, num_attention_heads=16, num_query_groups=8, head_dim=128,
-                     ffn_hidden_size=4608, vocab_size=QWEN_VOCAB, tie_embeddings=True),
-    "15a2b-moe": dict(num_layers=24, hidden_size=2048, num_attention_heads=32, num_query_groups=4, head_dim=128,
-                      ffn_hidden_size=768, vocab_size=QWEN_VOCAB, tie_embeddings=False, num_experts=128,
-                      moe_router_topk=8, moe_ffn_hidden_size=768),
+    "1.7b-28l": dict(
+        num_layers=28,
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_query_groups=8,
+        head_dim=128,
+        ffn_hidden_size=6144,
+        vocab_size=QWEN_VOCAB,
+        tie_embeddings=True,
+    ),
+    "1.7b-48l": dict(
+        num_layers=48,
+        hidden_size=1536,
+        num_attention_heads=16,
+        num_query_groups=8,
+        head_dim=128,
+        ffn_hidden_size=4608,
+        vocab_size=QWEN_VOCAB,
+        tie_embeddings=True,
+    ),
+    "15a2b-moe": dict(
+        num_layers=24,
+        hidden_size=2048,
+        num_attention_heads=32,
+        num_query_groups=4,
+        head_dim=128,
+        ffn_hidden_size=768,
+        vocab_size=QWEN_VOCAB,
+        tie_embeddings=False,
+        num_experts=128,
+        moe_router_topk=8,
+        moe_ffn_hidden_size=768,
+    ),
     # Tiny models for CPU tests and the demo.
-    "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16,
-                 ffn_hidden_size=192, vocab_size=512, max_sequence_length=128, rotary_base=10_000),
-    "tiny-moe": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=16,
-                     ffn_hidden_size=64, vocab_size=512, max_sequence_length=128, rotary_base=10_000,
-                     tie_embeddings=False, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64),
-}  # fmt: skip
+    "tiny": dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        ffn_hidden_size=192,
+        vocab_size=512,
+        max_sequence_length=128,
+        rotary_base=10_000,
+    ),
+    "tiny-moe": dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        ffn_hidden_size=64,
+        vocab_size=512,
+        max_sequence_length=128,
+        rotary_base=10_000,
+        tie_embeddings=False,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+    ),
+}
 
 
 def _check_fields(values: Mapping[str, Any]) -> None:
@@ -126,7 +186,7 @@ def _check_fields(values: Mapping[str, Any]) -> None:
         raise ConfigError(f"model.{unknown[0]} is not a model field; fields: {', '.join(sorted(fields))}")
 
 
-def model_preset(name: str, gate: Optional[GateConfig] = None, **overrides: Any) -> ModelConfig:
+def model_preset(name: str, gate: GateConfig | None = None, **overrides: Any) -> ModelConfig:
     """A preset ModelConfig with an optional gate and field overrides."""
     if name not in PRESETS:
         raise ConfigError(f"model preset {name!r} is unknown; known presets: {', '.join(PRESETS)}")
@@ -143,7 +203,7 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: int | None = None
     expert_model_parallel_size: int = 1
     context_parallel_size: int = 1
     sequence_parallel: bool = False

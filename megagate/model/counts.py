@@ -18,7 +18,13 @@ def gate_parameter_count(gate: GateConfig, hidden_size: int, num_heads: int, num
 
 def parameter_counts(model: ModelConfig) -> dict[str, int]:
     """Analytic parameter counts: total, active per token (MoE), and the gate's share."""
-    h, n, g, d, layers = model.hidden_size, model.num_attention_heads, model.num_query_groups, model.head_dim, model.num_layers
+    h, n, g, d, layers = (
+        model.hidden_size,
+        model.num_attention_heads,
+        model.num_query_groups,
+        model.head_dim,
+        model.num_layers,
+    )
     attention = h * n * d + 2 * h * g * d + n * d * h + (2 * d if model.qk_layernorm else 0)
     gate = gate_parameter_count(model.gate, h, n, g, d)
     norms = 2 * h + model._sandwich_params()
@@ -39,5 +45,7 @@ def flops_per_token(model: ModelConfig, seq_length: int) -> int:
     """Training FLOPs per token (forward + backward = 3 × forward; matmuls only, causal attention halved)."""
     counts = parameter_counts(model)
     dense_params = counts["active"] - model.vocab_size * model.hidden_size * (0 if model.tie_embeddings else 1)
-    attention_scores = 2 * model.num_layers * seq_length * model.num_attention_heads * model.head_dim  # QK^T and AV, causal
+    attention_scores = (
+        2 * model.num_layers * seq_length * model.num_attention_heads * model.head_dim
+    )  # QK^T and AV, causal
     return 3 * (2 * dense_params + attention_scores)

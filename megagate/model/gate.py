@@ -21,8 +21,9 @@ PRESETS; docs/gate_variants.md adds one end to end.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -133,8 +134,10 @@ def validate(gate: GateConfig) -> None:
     if not isinstance(gate.sandwich_norm, bool):
         raise ConfigError(f"gate.sandwich_norm={gate.sandwich_norm!r} must be true or false")
     if gate.position == "g5" and gate.granularity == "headwise":
-        raise ConfigError("gate.granularity='headwise' is invalid with gate.position='g5': G5 gates the hidden "
-                          "state after W_O, which has no heads; use elementwise")  # fmt: skip
+        raise ConfigError(
+            "gate.granularity='headwise' is invalid with gate.position='g5': G5 gates the hidden "
+            "state after W_O, which has no heads; use elementwise"
+        )
     if gate.position == "g5" and gate.sharing == "head_shared":
         raise ConfigError("gate.sharing='head_shared' is invalid with gate.position='g5' (no heads after W_O)")
     if gate.combine == "additive" and ACTIVATIONS[gate.activation].positive:

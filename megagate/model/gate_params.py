@@ -16,8 +16,9 @@ Pure arithmetic on shapes: no megatron, no tensors.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple
 
 from megagate.model.gate import GateConfig
 from megagate.model.qkv_layout import qkv_layout
@@ -47,7 +48,7 @@ class GateParam:
 
     name: str  # attribute of GatedSelfAttention ("linear_qkv.weight" for the fused rows)
     shape: tuple[int, ...]
-    tp_axis: Optional[int]  # the axis split over TP ranks; None: every TP rank holds all of it
+    tp_axis: int | None  # the axis split over TP ranks; None: every TP rank holds all of it
     init: str  # one of INIT_RULES
     role: str  # one of ROLES
     # Under sequence parallelism each TP rank sees only its chunk of the sequence, so its gradient is a partial sum
@@ -68,7 +69,7 @@ class GateParam:
         return self.role == "qkv_rows"
 
     @property
-    def checkpoint_axis(self) -> Optional[int]:
+    def checkpoint_axis(self) -> int | None:
         """The axis GatedSelfAttention.sharded_state_dict splits the entry along (None: replicated, or linear_qkv's)."""
         return None if self.in_linear_qkv else self.tp_axis
 

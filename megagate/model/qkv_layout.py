@@ -61,8 +61,13 @@ class QkvLayout:
     def group_segments(self) -> list[tuple[str, int]]:
         """(name, rows) of one group's block, in order; zero-width gate segments are omitted."""
         npg, hn = self.heads_per_group, self.head_dim
-        segments = [("q", npg * hn), ("q_gate", npg * self.q_gate_width), ("k", hn), ("v", hn),
-                    ("kv_gate", self.kv_gate_width)]  # fmt: skip
+        segments = [
+            ("q", npg * hn),
+            ("q_gate", npg * self.q_gate_width),
+            ("k", hn),
+            ("v", hn),
+            ("kv_gate", self.kv_gate_width),
+        ]
         return [(name, rows) for name, rows in segments if rows > 0]
 
     @property
@@ -94,11 +99,12 @@ class QkvLayout:
                     keys += [(name, g, c) for c in range(hn)]
         return keys
 
-    def local(self, tp_size: int) -> "QkvLayout":
+    def local(self, tp_size: int) -> QkvLayout:
         """The layout of one tensor-parallel rank's shard."""
         check_tensor_parallel(self.num_heads, self.num_groups, tp_size)
-        return QkvLayout(self.num_heads // tp_size, self.num_groups // tp_size, self.head_dim,
-                         self.q_gate_width, self.kv_gate_width)  # fmt: skip
+        return QkvLayout(
+            self.num_heads // tp_size, self.num_groups // tp_size, self.head_dim, self.q_gate_width, self.kv_gate_width
+        )
 
 
 def qkv_layout(gate: GateConfig, num_heads: int, num_groups: int, head_dim: int) -> QkvLayout:

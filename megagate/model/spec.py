@@ -12,7 +12,8 @@ FP8/BF16 modules, grouped-GEMM experts, the MoE router. Two things are added:
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -111,8 +112,8 @@ def gated_decoder_block_spec(
     config: TransformerConfig,
     gate: GateConfig,
     backend: str = "local",
-    vp_stage: Optional[int] = None,
-    pp_rank: Optional[int] = None,
+    vp_stage: int | None = None,
+    pp_rank: int | None = None,
     tp_size: int = 1,
 ) -> TransformerBlockSubmodules:
     """megatron's GPT decoder block spec (this pipeline stage's layers) with gated attention in every layer."""
@@ -129,11 +130,15 @@ def gated_decoder_block_spec(
     return block
 
 
-def gated_layer_spec(config: TransformerConfig, gate: GateConfig, backend: str = "local", tp_size: int = 1) -> ModuleSpec:
+def gated_layer_spec(
+    config: TransformerConfig, gate: GateConfig, backend: str = "local", tp_size: int = 1
+) -> ModuleSpec:
     """One gated TransformerLayer spec (dense, or MoE when config.num_moe_experts is set)."""
     check_backend(backend)
     check_gate_compatible(config, gate, tp_size)
     single = copy.copy(config)
     single.num_layers, single.moe_layer_freq = 1, 1
-    layers = get_gpt_decoder_layer_specs(single, use_transformer_engine=backend == "te", normalization=config.normalization)
+    layers = get_gpt_decoder_layer_specs(
+        single, use_transformer_engine=backend == "te", normalization=config.normalization
+    )
     return gate_layer(layers[0], gate, config, backend)

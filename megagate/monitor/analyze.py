@@ -7,8 +7,8 @@ layer), max_activation.png (M-Act per layer), attention_map.png (one head of the
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 
@@ -27,16 +27,33 @@ SAMPLE_TEXT = (
 def format_table(diags: Sequence[D.LayerDiagnostics]) -> str:
     """Per-layer rows plus a model row (F-Attn and gate score averaged, M-Act and max logit the maximum)."""
 
-    def f(x: Optional[float], spec: str) -> str:
+    def f(x: float | None, spec: str) -> str:
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
     header = ["layer", "gate_score", "sparsity(<0.1)", "F-Attn", "M-Act", "max_logit"]
-    rows = [[str(d.layer), f(d.gate_score_mean, ".3f"), f(d.gate_sparsity, ".3f"), f(d.f_attn, ".3f"),
-             f(d.m_act, ".4g"), f(d.max_logit, ".4g")] for d in diags]  # fmt: skip
+    rows = [
+        [
+            str(d.layer),
+            f(d.gate_score_mean, ".3f"),
+            f(d.gate_sparsity, ".3f"),
+            f(d.f_attn, ".3f"),
+            f(d.m_act, ".4g"),
+            f(d.max_logit, ".4g"),
+        ]
+        for d in diags
+    ]
     s = D.to_scalars(list(diags))
     if diags:
-        rows.append(["all", f(s.get("diag/gate_score"), ".3f"), f(s.get("diag/gate_sparsity"), ".3f"),
-                     f(s["diag/f_attn"], ".3f"), f(s["diag/m_act"], ".4g"), f(s["diag/max_logit"], ".4g")])  # fmt: skip
+        rows.append(
+            [
+                "all",
+                f(s.get("diag/gate_score"), ".3f"),
+                f(s.get("diag/gate_sparsity"), ".3f"),
+                f(s["diag/f_attn"], ".3f"),
+                f(s["diag/m_act"], ".4g"),
+                f(s["diag/max_logit"], ".4g"),
+            ]
+        )
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -66,10 +83,18 @@ def write_plots(diags: Sequence[D.LayerDiagnostics], out_dir: str | Path) -> lis
         edges, counts = d.gate_hist_edges, d.gate_hist_counts
         total = sum(counts) or 1.0
         centres = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:])]
-        ax.plot(centres, [c / total for c in counts], marker=".", label=f"layer {d.layer} (mean {d.gate_score_mean:.3f})")
+        ax.plot(
+            centres, [c / total for c in counts], marker=".", label=f"layer {d.layer} (mean {d.gate_score_mean:.3f})"
+        )
     if not gated:
-        ax.text(0.5, 0.5, "no bounded gate scores (baseline or unbounded activation)", ha="center", va="center",
-                transform=ax.transAxes)  # fmt: skip
+        ax.text(
+            0.5,
+            0.5,
+            "no bounded gate scores (baseline or unbounded activation)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
     ax.axvline(D.SPARSE_BELOW, color="gray", ls="--", lw=1)
     ax.set(xlabel="gate score", ylabel="fraction of scores", xlim=(0, 1), title="gate score histogram")
     if gated:

@@ -22,8 +22,9 @@ Packed sequences (THD) and sliding-window attention are not handled: the probe a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,24 +42,30 @@ class LayerDiagnostics:
     f_attn: float
     m_act: float
     max_logit: float
-    gate_score_mean: Optional[float] = None
-    gate_sparsity: Optional[float] = None
-    gate_min: Optional[float] = None
-    gate_max: Optional[float] = None
-    gate_hist_edges: Optional[list[float]] = None  # HIST_BINS + 1 edges
-    gate_hist_counts: Optional[list[float]] = None  # counts of (distinct, unexpanded) scores per bin
+    gate_score_mean: float | None = None
+    gate_sparsity: float | None = None
+    gate_min: float | None = None
+    gate_max: float | None = None
+    gate_hist_edges: list[float] | None = None  # HIST_BINS + 1 edges
+    gate_hist_counts: list[float] | None = None  # counts of (distinct, unexpanded) scores per bin
     f_attn_per_head: list[float] = field(default_factory=list)
-    attn_map: Optional[Tensor] = None  # [sq, sk] probabilities of (batch 0, head 0) when asked for
+    attn_map: Tensor | None = None  # [sq, sk] probabilities of (batch 0, head 0) when asked for
 
     def record(self, step: int) -> dict[str, Any]:
         """The runfiles.DIAGNOSTICS line for this layer."""
-        return {"step": step, "layer": self.layer, "gate_score_mean": self.gate_score_mean,
-                "gate_sparsity": self.gate_sparsity, "f_attn": self.f_attn, "m_act": self.m_act,
-                "max_logit": self.max_logit}  # fmt: skip
+        return {
+            "step": step,
+            "layer": self.layer,
+            "gate_score_mean": self.gate_score_mean,
+            "gate_sparsity": self.gate_sparsity,
+            "f_attn": self.f_attn,
+            "m_act": self.m_act,
+            "max_logit": self.max_logit,
+        }
 
 
 # --- pure math ---------------------------------------------------------------------------------------------------
-def attention_logits(query: Tensor, key: Tensor, scale: float, mask: Optional[Tensor] = None) -> Tensor:
+def attention_logits(query: Tensor, key: Tensor, scale: float, mask: Tensor | None = None) -> Tensor:
     """Scaled causal logits [b, np, sq, sk] in fp32 (masked entries = -inf) from query [sq, b, np, hn], key [sk, b, ng, hn].
 
     GQA: each key group serves np/ng consecutive query heads (megatron's repeat_interleave). `mask`: optional bool
@@ -105,16 +112,16 @@ class _LayerState:
 
     def __init__(self, layer: int) -> None:
         self.layer = layer
-        self.f_sum: Optional[Tensor] = None
-        self.f_count: Optional[Tensor] = None
+        self.f_sum: Tensor | None = None
+        self.f_count: Tensor | None = None
         self.max_logit = -math.inf
         self.m_act = 0.0
         self.g_sum = self.g_count = self.g_sparse = 0.0
         self.g_min, self.g_max = math.inf, -math.inf
-        self.g_hist: Optional[Tensor] = None
+        self.g_hist: Tensor | None = None
         self.g_bounded = True
         self.g_seen = False
-        self.attn_map: Optional[Tensor] = None
+        self.attn_map: Tensor | None = None
 
 
 class Probe:
@@ -132,7 +139,7 @@ class Probe:
         self._observed: list[Any] = []
         self._states: dict[int, _LayerState] = {}
 
-    def __enter__(self) -> "Probe":
+    def __enter__(self) -> Probe:
         try:
             for layer in _decoder_layers(self.model):
                 index = int(getattr(layer, "layer_number", len(self._states) + 1)) - 1
@@ -177,7 +184,9 @@ class Probe:
             logits = attention_logits(query.detach(), key.detach(), scale, mask)
             stats = attention_stats(logits)
             state.f_sum = stats["f_sum_per_head"] if state.f_sum is None else state.f_sum + stats["f_sum_per_head"]
-            state.f_count = stats["f_count_per_head"] if state.f_count is None else state.f_count + stats["f_count_per_head"]
+            state.f_count = (
+                stats["f_count_per_head"] if state.f_count is None else state.f_count + stats["f_count_per_head"]
+            )
             state.max_logit = max(state.max_logit, float(stats["max_logit"]))
             if self.keep_attn_map and state.attn_map is None:
                 state.attn_map = stats["probs"][0, 0].cpu()
@@ -287,8 +296,13 @@ def _reduce_tp(states: list[_LayerState], tp_group: Any) -> None:
 
 
 # --- entry points ------------------------------------------------------------------------------------------------
-def collect(model: torch.nn.Module, tokens: Tensor, position_ids: Optional[Tensor] = None,
-            attention_mask: Optional[Tensor] = None, keep_attn_map: bool = False) -> list[LayerDiagnostics]:  # fmt: skip
+def collect(
+    model: torch.nn.Module,
+    tokens: Tensor,
+    position_ids: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    keep_attn_map: bool = False,
+) -> list[LayerDiagnostics]:
     """Run one no-grad eval forward of `tokens` [b, s] through `model` (one pipeline stage holding the embedding)
     and return this rank's layers' diagnostics; the model's train/eval mode is restored afterwards."""
     if position_ids is None:
@@ -350,11 +364,15 @@ def log_to_tensorboard(writer: Any, step: int, diags: list[LayerDiagnostics], pr
         centres = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:])]
         writer.add_histogram_raw(
             f"{prefix}/layer_{d.layer:02d}/gate_scores",
-            min=d.gate_min, max=d.gate_max, num=total,
+            min=d.gate_min,
+            max=d.gate_max,
+            num=total,
             sum=sum(c * x for c, x in zip(counts, centres)),
             sum_squares=sum(c * x * x for c, x in zip(counts, centres)),
-            bucket_limits=edges[1:], bucket_counts=counts, global_step=step,
-        )  # fmt: skip
+            bucket_limits=edges[1:],
+            bucket_counts=counts,
+            global_step=step,
+        )
 
 
 def records(step: int, diags: list[LayerDiagnostics]) -> list[dict[str, Any]]:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 from megagate.monitor import runfiles
 from megagate.monitor.spike import ACTIONS, SEVERITY, SpikeEvent
@@ -13,7 +14,7 @@ from megagate.monitor.spike import ACTIONS, SEVERITY, SpikeEvent
 class EventLog:
     """Writes spike events; call `write(events)` on the rank that logs (all ranks see the same events)."""
 
-    def __init__(self, path: str | os.PathLike, writer: Optional[Any] = None) -> None:
+    def __init__(self, path: str | os.PathLike, writer: Any | None = None) -> None:
         """`path`: the events JSONL file; `writer`: a torch.utils.tensorboard SummaryWriter (or None)."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)

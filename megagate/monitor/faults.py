@@ -83,8 +83,9 @@ class FaultInjector:
     def load_state_dict(self, state: dict[str, list[int]]) -> None:
         self._fired = set(state.get("fired", []))
 
-    def batches(self, step: int, microbatches: Sequence[Mapping[str, torch.Tensor]],
-                vocab_size: int) -> list[dict[str, torch.Tensor]]:  # fmt: skip
+    def batches(
+        self, step: int, microbatches: Sequence[Mapping[str, torch.Tensor]], vocab_size: int
+    ) -> list[dict[str, torch.Tensor]]:
         """corrupt_batch: every micro-batch of the step becomes uniformly random text, `tokens` [b, s] and their
         next-token `labels` (a reproducible, out-of-distribution batch); other entries are kept."""
         batches = [dict(mb) for mb in microbatches]

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from megagate.errors import MegagateError
 from megagate.monitor import plotting, runfiles
@@ -23,16 +24,16 @@ class RunResult:
     name: str
     run_dir: str
     variant: str
-    lr: Optional[float]
-    seed: Optional[int]
+    lr: float | None
+    seed: int | None
     steps: int
     final_loss: float
-    valid_ppl: Optional[float]
+    valid_ppl: float | None
     num_spikes: int
     diverged: bool
-    f_attn: Optional[float] = None
-    m_act: Optional[float] = None
-    gate_score: Optional[float] = None
+    f_attn: float | None = None
+    m_act: float | None = None
+    gate_score: float | None = None
     curve: list[tuple[int, float]] = field(default_factory=list)  # (step, train loss)
     spike_steps: list[int] = field(default_factory=list)
 
@@ -47,26 +48,36 @@ def load_run(run_dir: str | Path) -> RunResult:
     summary = runfiles.read_json(run_dir / runfiles.SUMMARY) or {}
     events = runfiles.read_jsonl(run_dir / runfiles.EVENTS)
     if not train and not summary:
-        raise MegagateError(f"{run_dir}: no {runfiles.METRICS} train lines and no {runfiles.SUMMARY}: not a run directory")
+        raise MegagateError(
+            f"{run_dir}: no {runfiles.METRICS} train lines and no {runfiles.SUMMARY}: not a run directory"
+        )
     curve = [(int(r["step"]), float(r["loss"])) for r in train]
     final_loss = float(summary["final_loss"]) if "final_loss" in summary else (curve[-1][1] if curve else math.nan)
     if "diverged" in summary:
         diverged = bool(summary["diverged"])
     else:  # a run without a summary (crashed or still running): judge from its curve
         losses = [loss for _, loss in curve]
-        diverged = runfiles.is_diverged(losses[0] if losses else None, final_loss,
-                                        any_nonfinite=any(not math.isfinite(x) for x in losses))  # fmt: skip
+        diverged = runfiles.is_diverged(
+            losses[0] if losses else None, final_loss, any_nonfinite=any(not math.isfinite(x) for x in losses)
+        )
     valid_ppl = None
     if valid:
         last = valid[-1]
         valid_ppl = float(last["ppl"]) if "ppl" in last else math.exp(float(last["loss"]))
     result = RunResult(
-        name=run_dir.name, run_dir=str(run_dir), variant=runfiles.gate_label(config),
-        lr=_float(runfiles.lookup(config, "train.lr")), seed=_int(runfiles.lookup(config, "seed")),
-        steps=int(summary.get("steps", curve[-1][0] if curve else 0)), final_loss=final_loss, valid_ppl=valid_ppl,
-        num_spikes=len({int(e["step"]) for e in events}), diverged=diverged, curve=curve,
+        name=run_dir.name,
+        run_dir=str(run_dir),
+        variant=runfiles.gate_label(config),
+        lr=_float(runfiles.lookup(config, "train.lr")),
+        seed=_int(runfiles.lookup(config, "seed")),
+        steps=int(summary.get("steps", curve[-1][0] if curve else 0)),
+        final_loss=final_loss,
+        valid_ppl=valid_ppl,
+        num_spikes=len({int(e["step"]) for e in events}),
+        diverged=diverged,
+        curve=curve,
         spike_steps=sorted({int(e["step"]) for e in events}),
-    )  # fmt: skip
+    )
     diags = runfiles.read_jsonl(run_dir / runfiles.DIAGNOSTICS)
     if diags:
         last_step = max(int(d["step"]) for d in diags)
@@ -78,14 +89,14 @@ def load_run(run_dir: str | Path) -> RunResult:
     return result
 
 
-def _float(x: Any) -> Optional[float]:
+def _float(x: Any) -> float | None:
     try:
         return None if x is None else float(x)
     except (TypeError, ValueError):
         return None
 
 
-def _int(x: Any) -> Optional[int]:
+def _int(x: Any) -> int | None:
     try:
         return None if x is None else int(x)
     except (TypeError, ValueError):
@@ -103,7 +114,9 @@ def find_runs(paths: Sequence[str | Path]) -> list[Path]:
             continue
         children = sorted(c for c in p.iterdir() if c.is_dir() and _is_run(c))
         if not children:
-            raise MegagateError(f"{p}: neither a run directory ({runfiles.METRICS}/{runfiles.SUMMARY}) nor a folder of them")
+            raise MegagateError(
+                f"{p}: neither a run directory ({runfiles.METRICS}/{runfiles.SUMMARY}) nor a folder of them"
+            )
         runs += children
     return runs
 
@@ -113,8 +126,20 @@ def _is_run(p: Path) -> bool:
 
 
 # --- table -------------------------------------------------------------------------------------------------------
-COLUMNS = ("run", "variant", "lr", "seed", "steps", "final_loss", "valid_ppl", "spikes", "diverged", "F-Attn",
-           "M-Act", "gate_score")  # fmt: skip
+COLUMNS = (
+    "run",
+    "variant",
+    "lr",
+    "seed",
+    "steps",
+    "final_loss",
+    "valid_ppl",
+    "spikes",
+    "diverged",
+    "F-Attn",
+    "M-Act",
+    "gate_score",
+)
 
 
 def _fmt(x: Any, spec: str = ".4g") -> str:
@@ -131,9 +156,22 @@ def table(results: Sequence[RunResult]) -> str:
     """A fixed-width text table, one row per run."""
     rows = [list(COLUMNS)]
     for r in results:
-        rows.append([r.name, r.variant, _fmt(r.lr), _fmt(r.seed), _fmt(r.steps), _fmt(r.final_loss), _fmt(r.valid_ppl),
-                     _fmt(r.num_spikes), _fmt(r.diverged), _fmt(r.f_attn, ".3f"), _fmt(r.m_act, ".3g"),
-                     _fmt(r.gate_score, ".3f")])  # fmt: skip
+        rows.append(
+            [
+                r.name,
+                r.variant,
+                _fmt(r.lr),
+                _fmt(r.seed),
+                _fmt(r.steps),
+                _fmt(r.final_loss),
+                _fmt(r.valid_ppl),
+                _fmt(r.num_spikes),
+                _fmt(r.diverged),
+                _fmt(r.f_attn, ".3f"),
+                _fmt(r.m_act, ".3g"),
+                _fmt(r.gate_score, ".3f"),
+            ]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -148,8 +186,8 @@ def plot_loss_curves(results: Sequence[RunResult], path: str | Path) -> Path:
         if not r.curve:
             continue
         steps, losses = zip(*r.curve)
-        finite = [(s, l) for s, l in r.curve if math.isfinite(l)]
-        (line,) = ax.plot(steps, [l if math.isfinite(l) else float("nan") for l in losses], lw=1, label=r.name)
+        finite = [(s, loss) for s, loss in r.curve if math.isfinite(loss)]
+        (line,) = ax.plot(steps, [x if math.isfinite(x) else float("nan") for x in losses], lw=1, label=r.name)
         by_step = dict(finite)
         marks = [(s, by_step[s]) for s in r.spike_steps if s in by_step]
         if marks:
@@ -171,8 +209,11 @@ def plot_final_loss_vs_lr(results: Sequence[RunResult], path: str | Path) -> Pat
     for variant in variants:
         runs = [r for r in results if r.variant == variant and r.lr is not None]
         lrs = sorted({r.lr for r in runs})
-        ok = [(lr, statistics.fmean(r.final_loss for r in runs if r.lr == lr and not r.diverged))
-              for lr in lrs if any(r.lr == lr and not r.diverged for r in runs)]  # fmt: skip
+        ok = [
+            (lr, statistics.fmean(r.final_loss for r in runs if r.lr == lr and not r.diverged))
+            for lr in lrs
+            if any(r.lr == lr and not r.diverged for r in runs)
+        ]
         (line,) = ax.plot(*zip(*ok), marker="o", label=variant) if ok else ax.plot([], [], label=variant)
         bad = sorted({r.lr for r in runs if r.diverged})
         if bad:

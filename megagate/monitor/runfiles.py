@@ -18,8 +18,9 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Any
 
 from megagate.errors import MegagateError
 from megagate.yamlfile import load_mapping
@@ -103,18 +104,34 @@ def write_metrics(run_dir: str | os.PathLike, step: int, split: str, **values: f
     """Append a train or valid metrics line (keys as in TRAIN_KEYS / VALID_KEYS)."""
     if split not in ("train", "valid"):
         raise MegagateError(f"metrics split {split!r} is not one of train, valid")
-    append_jsonl(Path(run_dir) / METRICS, {"step": int(step), "split": split, **{k: float(v) for k, v in values.items()}})
+    append_jsonl(
+        Path(run_dir) / METRICS, {"step": int(step), "split": split, **{k: float(v) for k, v in values.items()}}
+    )
 
 
-def write_summary(run_dir: str | os.PathLike, steps: int, final_loss: float, final_valid_loss: Optional[float],
-                  diverged: bool, **extra: Any) -> None:  # fmt: skip
-    write_json(Path(run_dir) / SUMMARY, {"steps": int(steps), "final_loss": float(final_loss),
-                                         "final_valid_loss": None if final_valid_loss is None else float(final_valid_loss),
-                                         "diverged": bool(diverged), **extra})  # fmt: skip
+def write_summary(
+    run_dir: str | os.PathLike,
+    steps: int,
+    final_loss: float,
+    final_valid_loss: float | None,
+    diverged: bool,
+    **extra: Any,
+) -> None:
+    write_json(
+        Path(run_dir) / SUMMARY,
+        {
+            "steps": int(steps),
+            "final_loss": float(final_loss),
+            "final_valid_loss": None if final_valid_loss is None else float(final_valid_loss),
+            "diverged": bool(diverged),
+            **extra,
+        },
+    )
 
 
-def is_diverged(first_loss: Optional[float], final_loss: Optional[float], aborted: bool = False,
-                any_nonfinite: bool = False) -> bool:  # fmt: skip
+def is_diverged(
+    first_loss: float | None, final_loss: float | None, aborted: bool = False, any_nonfinite: bool = False
+) -> bool:
     """The project's definition: non-finite loss, final loss above the first loss, or an abort."""
     if aborted or any_nonfinite or final_loss is None or not math.isfinite(final_loss):
         return True
@@ -141,7 +158,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
-def read_json(path: str | os.PathLike) -> Optional[dict[str, Any]]:
+def read_json(path: str | os.PathLike) -> dict[str, Any] | None:
     path = Path(path)
     if not path.exists():
         return None

@@ -104,8 +104,10 @@ class SpikeMonitorConfig:
             default = next(f for f in dataclasses.fields(cls) if f.name == name).default_factory()
             extra = [m for m in values[name] if m not in watched and m not in default]
             if extra:
-                raise ConfigError(f"monitor.spike.{name} has {extra[0]!r}, which is not a watched metric "
-                                  f"({', '.join(map(str, watched))})")  # fmt: skip
+                raise ConfigError(
+                    f"monitor.spike.{name} has {extra[0]!r}, which is not a watched metric "
+                    f"({', '.join(map(str, watched))})"
+                )
             values[name] = dict(values[name])
         return cls(**values)
 
@@ -128,10 +130,20 @@ def validate(cfg: SpikeMonitorConfig) -> None:
     """Raise ConfigError naming the first invalid value."""
     if cfg.action not in ACTIONS:
         raise ConfigError(f"monitor.spike.action={cfg.action!r} is not one of {', '.join(ACTIONS)}")
-    for name in ("window", "center_window", "min_history", "lr_backoff_steps", "rollback_skip_steps", "max_rollbacks", "max_consecutive"):
+    for name in (
+        "window",
+        "center_window",
+        "min_history",
+        "lr_backoff_steps",
+        "rollback_skip_steps",
+        "max_rollbacks",
+        "max_consecutive",
+    ):
         _positive_int(name, getattr(cfg, name))
     if cfg.min_history > cfg.window:
-        raise ConfigError(f"monitor.spike.min_history ({cfg.min_history}) must be <= monitor.spike.window ({cfg.window})")
+        raise ConfigError(
+            f"monitor.spike.min_history ({cfg.min_history}) must be <= monitor.spike.window ({cfg.window})"
+        )
     if not isinstance(cfg.threshold, (int, float)) or not cfg.threshold > 0 or not math.isfinite(cfg.threshold):
         raise ConfigError(f"monitor.spike.threshold={cfg.threshold!r} must be a positive number")
     if not isinstance(cfg.rel_floor, (int, float)) or not 0 <= cfg.rel_floor < 1:
@@ -142,7 +154,9 @@ def validate(cfg: SpikeMonitorConfig) -> None:
         raise ConfigError(f"monitor.spike.metrics={list(cfg.metrics)!r} must be a non-empty list of metric names")
     for metric, ceiling in cfg.abs_ceiling.items():
         if metric not in cfg.metrics:
-            raise ConfigError(f"monitor.spike.abs_ceiling has {metric!r}, which is not a watched metric ({', '.join(cfg.metrics)})")
+            raise ConfigError(
+                f"monitor.spike.abs_ceiling has {metric!r}, which is not a watched metric ({', '.join(cfg.metrics)})"
+            )
         if not isinstance(ceiling, (int, float)) or not math.isfinite(ceiling):
             raise ConfigError(f"monitor.spike.abs_ceiling.{metric}={ceiling!r} must be a finite number")
     for metric, transform in cfg.transform.items():
@@ -157,7 +171,9 @@ def validate(cfg: SpikeMonitorConfig) -> None:
             raise ConfigError(f"monitor.spike.metric_thresholds.{metric}={threshold!r} must be a positive number")
     for metric, direction in cfg.direction.items():
         if metric not in cfg.metrics:
-            raise ConfigError(f"monitor.spike.direction has {metric!r}, which is not a watched metric ({', '.join(cfg.metrics)})")
+            raise ConfigError(
+                f"monitor.spike.direction has {metric!r}, which is not a watched metric ({', '.join(cfg.metrics)})"
+            )
         if direction not in DIRECTIONS:
             raise ConfigError(f"monitor.spike.direction.{metric}={direction!r} is not one of {', '.join(DIRECTIONS)}")
 
@@ -198,8 +214,9 @@ def worst_action(events: Iterable[SpikeEvent]) -> str | None:
     return max(actions, key=SEVERITY.__getitem__) if actions else None
 
 
-def robust_baseline(values: Sequence[float], rel_floor: float, absolute_floor: bool = False,
-                    center_window: int = 20) -> tuple[float, float]:  # fmt: skip
+def robust_baseline(
+    values: Sequence[float], rel_floor: float, absolute_floor: bool = False, center_window: int = 20
+) -> tuple[float, float]:
     """(center, scale) of an accepted history, oldest first.
 
     center = median of the last `center_window` values (tracks a trending loss without chasing single values);
@@ -340,9 +357,13 @@ class SpikeMonitor:
     def restore_after_rollback(self, checkpoint_state: Mapping[str, Any], plan: RollbackPlan, event_step: int) -> None:
         """Load the monitor state saved in the restored checkpoint, keeping the rollback ledger (and adding `plan`)."""
         ledger = list(self._rollbacks) + [
-            {"event_step": event_step, "restore_step": plan.restore_step,
-             "skip_first": plan.skip_first, "skip_last": plan.skip_last}
-        ]  # fmt: skip
+            {
+                "event_step": event_step,
+                "restore_step": plan.restore_step,
+                "skip_first": plan.skip_first,
+                "skip_last": plan.skip_last,
+            }
+        ]
         num_events = self._num_events
         self.load_state_dict(checkpoint_state)
         self._rollbacks = ledger

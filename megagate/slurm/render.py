@@ -50,7 +50,9 @@ def _q(value: str) -> str:
 
 def bash_master_port_expr() -> str:
     """megagate.distributed.launch.derive_master_port as a bash arithmetic expansion (the torchrun launcher needs it in bash)."""
-    return f"$(( {PORT_BASE} + (SLURM_JOB_ID * {PORT_SLOTS} + ${{SLURM_RESTART_COUNT:-0}} % {PORT_SLOTS}) % {PORT_SPAN} ))"
+    return (
+        f"$(( {PORT_BASE} + (SLURM_JOB_ID * {PORT_SLOTS} + ${{SLURM_RESTART_COUNT:-0}} % {PORT_SLOTS}) % {PORT_SPAN} ))"
+    )
 
 
 def _env_lines(request: SlurmRequest) -> list[str]:
@@ -111,7 +113,9 @@ def _software_lines(request: SlurmRequest) -> tuple[list[str], str]:
         if request.venv:
             python = f"{request.venv.rstrip('/')}/bin/python"
     elif request.venv:
-        lines.append(f"source {_q(request.venv.rstrip('/') + '/bin/activate')} || {{ echo 'megagate-slurm: cannot activate venv {request.venv}' >&2; exit 1; }}")
+        lines.append(
+            f"source {_q(request.venv.rstrip('/') + '/bin/activate')} || {{ echo 'megagate-slurm: cannot activate venv {request.venv}' >&2; exit 1; }}"
+        )
     else:
         lines.append("# (the python on PATH at submission; set venv or container_image to choose one)")
     return lines, python
@@ -154,7 +158,9 @@ def _step_command(request: SlurmRequest, train_argv: Sequence[str], launcher: st
     # One torchrun per node; torchrun forwards TERM (not USR1) to its workers, so the shell sends TERM.
     srun += ["--ntasks-per-node=1"]
     torchrun = [
-        _q(python), "-m", "torch.distributed.run",
+        _q(python),
+        "-m",
+        "torch.distributed.run",
         '--nnodes="$SLURM_JOB_NUM_NODES"',
         f"--nproc-per-node={request.ranks_per_node}",
         "--rdzv-backend=c10d",
@@ -332,11 +338,15 @@ def render_batch_script(
     elif launcher == "torchrun":
         lines.append('export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)')
     else:
-        lines.append("# srun: each rank takes MASTER_ADDR = first host of SLURM_JOB_NODELIST (megagate.distributed.launch)")
+        lines.append(
+            "# srun: each rank takes MASTER_ADDR = first host of SLURM_JOB_NODELIST (megagate.distributed.launch)"
+        )
     if launcher == "torchrun":
         lines.append(f"export MASTER_PORT={port}   # = megagate.distributed.launch.derive_master_port")
     else:
-        lines.append("# srun: each rank derives MASTER_PORT from SLURM_JOB_ID and SLURM_RESTART_COUNT (megagate.distributed.launch)")
+        lines.append(
+            "# srun: each rank derives MASTER_PORT from SLURM_JOB_ID and SLURM_RESTART_COUNT (megagate.distributed.launch)"
+        )
     lines.append("")
     lines += _sweep_lines(sweep)
     body = (

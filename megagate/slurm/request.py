@@ -95,9 +95,22 @@ class SlurmRequest:
         if not _NAME.match(self.job_name):
             raise ConfigError(f"job_name={self.job_name!r} is invalid: use letters, digits and _ . + -")
         if self.array is not None and not _ARRAY.match(self.array):
-            raise ConfigError(f"array={self.array!r} is not a Slurm array spec: use forms like 0-7, 1,3,5, 0-15:4, 0-7%2")
-        for name in ("partition", "account", "qos", "container_image", "container_workdir", "venv", "master_addr",
-                     "run_dir", "progress_file", "log_dir", "python"):
+            raise ConfigError(
+                f"array={self.array!r} is not a Slurm array spec: use forms like 0-7, 1,3,5, 0-15:4, 0-7%2"
+            )
+        for name in (
+            "partition",
+            "account",
+            "qos",
+            "container_image",
+            "container_workdir",
+            "venv",
+            "master_addr",
+            "run_dir",
+            "progress_file",
+            "log_dir",
+            "python",
+        ):
             value = getattr(self, name)
             if value is not None and (not value.strip() or any(c in value for c in "\n\r\0")):
                 raise ConfigError(f"{name}={value!r} is invalid: it must be a non-empty single line")

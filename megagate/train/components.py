@@ -51,8 +51,13 @@ def precision_kwargs(cfg: TrainConfig) -> tuple[torch.dtype, dict]:
         return torch.float32, {}
     extra: dict[str, Any] = {}
     if t.precision == "fp8":
-        extra = dict(fp8="hybrid", fp8_recipe=t.fp8_recipe, fp8_margin=t.fp8_margin,
-                     fp8_amax_history_len=t.fp8_amax_history_len, fp8_amax_compute_algo=t.fp8_amax_compute_algo)  # fmt: skip
+        extra = dict(
+            fp8="hybrid",
+            fp8_recipe=t.fp8_recipe,
+            fp8_margin=t.fp8_margin,
+            fp8_amax_history_len=t.fp8_amax_history_len,
+            fp8_amax_compute_algo=t.fp8_amax_compute_algo,
+        )
     return torch.bfloat16, extra
 
 
@@ -113,11 +118,18 @@ def build_optimizer(cfg: TrainConfig, ddp: list) -> tuple[Any, Any]:
     dtype, _ = precision_kwargs(cfg)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
-            bf16=dtype == torch.bfloat16, params_dtype=dtype,
+            optimizer="adam",
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2,
+            adam_eps=t.adam_eps,
+            clip_grad=t.clip_grad,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
             use_distributed_optimizer=t.use_distributed_optimizer,
-        ),  # fmt: skip
+        ),
         ddp,
     )
     gbs = t.global_batch_size
@@ -163,10 +175,16 @@ def build_data(cfg: TrainConfig, layout: Layout) -> tuple[Any, Any]:
     # the test split is not used in training: one epoch of it (a sample count on an empty split never ends)
     num_samples = (t.train_steps * gbs, evaluations * t.eval_iters * gbs, None)
     train, valid, _ = build_datasets(
-        blend, tokenizer=tokenizer, seq_length=t.seq_length, num_samples=num_samples, split=d.split,
-        seed=cfg.seed, cache_dir=d.cache_dir or os.path.join(cfg.output.dir, "data_cache"), mock=d.mock,
+        blend,
+        tokenizer=tokenizer,
+        seq_length=t.seq_length,
+        num_samples=num_samples,
+        split=d.split,
+        seed=cfg.seed,
+        cache_dir=d.cache_dir or os.path.join(cfg.output.dir, "data_cache"),
+        mock=d.mock,
         mock_vocab_size=cfg.model.vocab_size,
-    )  # fmt: skip
+    )
     return train, valid
 
 
@@ -188,18 +206,30 @@ def loader(cfg: TrainConfig, dataset: Any, consumed_samples: int) -> Iterator[di
 
     from megagate.data.loader import build_loader
 
-    return iter(build_loader(
-        dataset, cfg.train.micro_batch_size, kind=cfg.data.loader, seed=cfg.seed, consumed_samples=consumed_samples,
-        data_parallel_rank=parallel_state.get_data_parallel_rank(),
-        data_parallel_size=parallel_state.get_data_parallel_world_size(),
-    ))  # fmt: skip
+    return iter(
+        build_loader(
+            dataset,
+            cfg.train.micro_batch_size,
+            kind=cfg.data.loader,
+            seed=cfg.seed,
+            consumed_samples=consumed_samples,
+            data_parallel_rank=parallel_state.get_data_parallel_rank(),
+            data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        )
+    )
 
 
 # --- the whole set -------------------------------------------------------------------------------------------------
 def layout_key(cfg: TrainConfig, layout: Layout) -> dict:
     """The parallel layout as stored in a checkpoint (a resume under another one reshards, without the RNG)."""
-    return {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "dp": layout.dp, "cp": layout.cp,
-            "vpp": cfg.parallel.virtual_pipeline_model_parallel_size}  # fmt: skip
+    return {
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "ep": layout.ep,
+        "dp": layout.dp,
+        "cp": layout.cp,
+        "vpp": cfg.parallel.virtual_pipeline_model_parallel_size,
+    }
 
 
 def is_logging_rank() -> bool:

@@ -21,7 +21,6 @@ import math
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -122,7 +121,7 @@ def _draw(init: str, name: str, shape: tuple[int, ...], seed: int, std: float, n
 
 
 def initial_value(
-    name: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int, gate: Optional[GateParam] = None
+    name: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int, gate: GateParam | None = None
 ) -> torch.Tensor:
     """The full initial tensor of the parameter with global name `name` (its gate-table entry, if it has one)."""
     if gate is not None:

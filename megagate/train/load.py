@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -20,8 +20,9 @@ def _ensure_single_process_world() -> None:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         if tp != 1 or pp != 1:
-            raise MegagateError(f"analysis builds the whole model in one process; the active parallel state has "
-                                f"TP={tp}, PP={pp}")  # fmt: skip
+            raise MegagateError(
+                f"analysis builds the whole model in one process; the active parallel state has TP={tp}, PP={pp}"
+            )
         return
     import atexit
     import contextlib
@@ -34,7 +35,7 @@ def _ensure_single_process_world() -> None:
     atexit.register(stack.close)
 
 
-def _run_tokenizer(data: object) -> Optional[str]:
+def _run_tokenizer(data: object) -> str | None:
     """The tokenizer file of a run's data section (the demo tokenizer for `data.demo` runs without a blend)."""
     if data.demo and not data.blend:
         from megagate.data.demo import prepare_demo_data
@@ -83,14 +84,14 @@ def load_model_for_analysis(checkpoint_dir: str | Path) -> tuple[torch.nn.Module
     _ensure_single_process_world()
     dtype, _ = precision_kwargs(cfg)  # fp8 recipes are a training setting: analysis runs in the storage dtype
     backend = resolve_backend(cfg)
-    tconfig = transformer_config(cfg.model, ParallelConfig(), params_dtype=dtype,
-                                        perform_initialization=False)  # fmt: skip
+    tconfig = transformer_config(cfg.model, ParallelConfig(), params_dtype=dtype, perform_initialization=False)
     model = build_gpt_model(cfg.model, tconfig, backend=backend)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     try:
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path),
-                                         strict=StrictHandling.RAISE_UNEXPECTED)  # fmt: skip
+        loaded = dist_checkpointing.load(
+            {"model": model.sharded_state_dict()}, str(path), strict=StrictHandling.RAISE_UNEXPECTED
+        )
     except Exception as exc:  # megatron raises CheckpointingException and others for a mismatched checkpoint
         raise MegagateError(f"cannot load the model from {str(path)!r} (backend {backend}): {exc}") from None
     model.load_state_dict(loaded["model"])

@@ -30,8 +30,16 @@ def peak_tflops_per_gpu() -> float | None:
 class Metrics:
     """TensorBoard + JSONL + console progress for one run (no-ops on non-logging ranks)."""
 
-    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool, total_steps: int, tokens_per_step: int,
-                 flops_per_token: float, world_size: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run_dir: str,
+        enabled: bool,
+        tensorboard: bool,
+        total_steps: int,
+        tokens_per_step: int,
+        flops_per_token: float,
+        world_size: int,
+    ) -> None:
         self.run_dir, self.enabled = run_dir, enabled
         self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
         self.flops_per_token, self.world_size = flops_per_token, world_size
@@ -44,16 +52,29 @@ class Metrics:
         self._start = time.perf_counter()
         self._first_step: int | None = None
 
-    def train_step(self, step: int, loss: float, lr: float, grad_norm: float, step_time: float,
-                   extra: dict[str, float] | None = None) -> None:  # fmt: skip
+    def train_step(
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        step_time: float,
+        extra: dict[str, float] | None = None,
+    ) -> None:
         if not self.enabled:
             return
         if self._first_step is None:
             self._first_step, self._start = step, time.perf_counter() - step_time
         tokens_per_s = self.tokens_per_step / step_time if step_time > 0 else 0.0
         tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
-        values: dict[str, float] = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                                    "step_time": step_time, "tflops_per_gpu": tflops}  # fmt: skip
+        values: dict[str, float] = {
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "step_time": step_time,
+            "tflops_per_gpu": tflops,
+        }
         if self.peak:
             values["mfu"] = tflops / self.peak
         if torch.cuda.is_available():
@@ -66,8 +87,11 @@ class Metrics:
         done = step - self._first_step + 1
         elapsed = time.perf_counter() - self._start
         eta = elapsed / done * (self.total_steps - step)
-        print(f"step {step:>6d}/{self.total_steps} | loss {loss:8.4f} | lr {lr:.3e} | grad {grad_norm:7.3f} | "
-              f"{tokens_per_s:9.0f} tok/s | {step_time * 1000:7.1f} ms/step | ETA {_duration(eta)}", flush=True)  # fmt: skip
+        print(
+            f"step {step:>6d}/{self.total_steps} | loss {loss:8.4f} | lr {lr:.3e} | grad {grad_norm:7.3f} | "
+            f"{tokens_per_s:9.0f} tok/s | {step_time * 1000:7.1f} ms/step | ETA {_duration(eta)}",
+            flush=True,
+        )
 
     def validation(self, step: int, loss: float) -> None:
         if not self.enabled:

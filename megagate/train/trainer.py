@@ -85,7 +85,9 @@ class Trainer:
         keys = [cb.state_key for cb in self.callbacks if cb.state_key]
         if len(keys) != len(set(keys)):
             raise MegagateError(f"two callbacks share a checkpoint state key: {sorted(keys)}")
-        self.checkpointer = ckpt.Checkpointer(cfg.checkpoint_dir, cfg.checkpoint.keep_last, cfg.checkpoint.optimizer_format)
+        self.checkpointer = ckpt.Checkpointer(
+            cfg.checkpoint_dir, cfg.checkpoint.keep_last, cfg.checkpoint.optimizer_format
+        )
         self.logging_rank = parts.is_logging_rank()
         self.step = self.start_step = 0  # completed steps (start_step: when this launch began)
         self.consumed_samples = 0  # the data position: global samples consumed (or skipped) before the next step
@@ -235,8 +237,10 @@ class Trainer:
             saved_layout = ckpt.read_meta(path).get("layout")
             same_layout = saved_layout == parts.layout_key(self.cfg, self.layout)
             meta = self._load(path, same_layout)
-            log(f"resumed from {path} at step {self.step} ({self.consumed_samples} samples)"
-                + ("" if same_layout else f"; resharded from {saved_layout}"))  # fmt: skip
+            log(
+                f"resumed from {path} at step {self.step} ({self.consumed_samples} samples)"
+                + ("" if same_layout else f"; resharded from {saved_layout}")
+            )
             for cb in self.callbacks:
                 if cb.state_key and f"x_{cb.state_key}" in meta:
                     cb.load_state_dict(meta[f"x_{cb.state_key}"])
@@ -277,8 +281,9 @@ def _forward_step(data_iterator: Iterator[dict], model: Any) -> tuple[torch.Tens
         from megatron.core import parallel_state
         from megatron.core.utils import get_batch_on_this_cp_rank
 
-        batch = get_batch_on_this_cp_rank({**batch, "cu_seqlens": None}, is_hybrid_cp=False,
-                                          cp_group=parallel_state.get_context_parallel_group())  # fmt: skip
+        batch = get_batch_on_this_cp_rank(
+            {**batch, "cu_seqlens": None}, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group()
+        )
         batch.pop("cu_seqlens", None)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # losses [b, s]
     return output, partial(_loss_func, batch["loss_mask"])
@@ -301,8 +306,12 @@ def _global_loss(results: list[dict]) -> float:
     return float(value.item())
 
 
-def train(cfg: TrainConfig, world_size: int, callbacks: Sequence[Callback] | None = None,
-          extra_callbacks: Sequence[Callback] = ()) -> dict[str, Any]:  # fmt: skip
+def train(
+    cfg: TrainConfig,
+    world_size: int,
+    callbacks: Sequence[Callback] | None = None,
+    extra_callbacks: Sequence[Callback] = (),
+) -> dict[str, Any]:
     """Build the run's components and train them (`callbacks`: default_callbacks(cfg), then `extra_callbacks`)."""
     from megagate.train.callbacks import default_callbacks
 

@@ -37,30 +37,54 @@ class Job:
         """The script text; ConfigError if the trainer would refuse the config on this job's world size."""
         if not self.lrs:
             return render_for_config(self.request, self.config, list(self.overrides), launcher=self.launcher)[1]
-        specs = sweep.expand_grid(list(self.overrides), list(self.lrs), ["g1-elementwise"], [0],
-                                  out_dir=f"runs/{self.request.job_name}")  # fmt: skip
+        specs = sweep.expand_grid(
+            list(self.overrides), list(self.lrs), ["g1-elementwise"], [0], out_dir=f"runs/{self.request.job_name}"
+        )
         sweep.check_grid(specs, self.config, self.request.world_size)
         return sweep.slurm_array(specs, self.config, self.request, self.launcher)
 
 
 MOE_8X8 = SlurmRequest(
-    nodes=8, gpus_per_node=8, time="04:00:00", partition="gpu", account="my-account", job_name="15a2b",
-    container_image="nvcr.io#nvidia/pytorch:25.01-py3", container_mounts=("/lustre:/lustre",),
-    container_workdir="/lustre/megagate", venv="/lustre/megagate/.venv", signal_lead_s=600,
-    extra_sbatch=("--exclusive",), env={"NCCL_SOCKET_IFNAME": "^lo,docker"},
+    nodes=8,
+    gpus_per_node=8,
+    time="04:00:00",
+    partition="gpu",
+    account="my-account",
+    job_name="15a2b",
+    container_image="nvcr.io#nvidia/pytorch:25.01-py3",
+    container_mounts=("/lustre:/lustre",),
+    container_workdir="/lustre/megagate",
+    venv="/lustre/megagate/.venv",
+    signal_lead_s=600,
+    extra_sbatch=("--exclusive",),
+    env={"NCCL_SOCKET_IFNAME": "^lo,docker"},
 )
-MOE_8X8_VENV = replace(MOE_8X8, container_image=None, container_mounts=(), container_workdir=None,
-                       venv="/shared/megagate/.venv")  # fmt: skip
-TINY = SlurmRequest(nodes=2, gpus_per_node=0, tasks_per_node=2, time="00:30:00", job_name="tiny", venv=".venv",
-                    signal_lead_s=120, max_restarts=5, env={"GLOO_SOCKET_IFNAME": "lo"})  # fmt: skip
+MOE_8X8_VENV = replace(
+    MOE_8X8, container_image=None, container_mounts=(), container_workdir=None, venv="/shared/megagate/.venv"
+)
+TINY = SlurmRequest(
+    nodes=2,
+    gpus_per_node=0,
+    tasks_per_node=2,
+    time="00:30:00",
+    job_name="tiny",
+    venv=".venv",
+    signal_lead_s=120,
+    max_restarts=5,
+    env={"GLOO_SOCKET_IFNAME": "lo"},
+)
 
 JOBS = (
     Job("15a2b_8x8.sbatch", MOE_8X8, CONFIG_15A2B),
     Job("15a2b_8x8_torchrun.sbatch", MOE_8X8_VENV, CONFIG_15A2B, launcher="torchrun"),
     Job("tiny_2x2.sbatch", TINY, CONFIG_TINY, ("train.train_steps=50",)),
-    Job("tiny_sweep_array.sbatch", replace(TINY, job_name="tiny-sweep", array="0-2%2"), CONFIG_TINY,
-        lrs=(1e-3, 3e-3, 1e-2)),
-)  # fmt: skip
+    Job(
+        "tiny_sweep_array.sbatch",
+        replace(TINY, job_name="tiny-sweep", array="0-2%2"),
+        CONFIG_TINY,
+        lrs=(1e-3, 3e-3, 1e-2),
+    ),
+)
 
 
 def examples() -> dict[str, str]:

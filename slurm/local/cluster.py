@@ -181,10 +181,19 @@ class LocalCluster:
                     key.write_bytes(secrets.token_bytes(1024))
                     key.chmod(0o400)
                 m = self.dir / "munge"
-                pids["munged"] = self._spawn("munged", [
-                    _which("munged"), "-F", "--force", f"--key-file={key}", f"--socket={m}/munge.socket.2",
-                    f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed",
-                ])
+                pids["munged"] = self._spawn(
+                    "munged",
+                    [
+                        _which("munged"),
+                        "-F",
+                        "--force",
+                        f"--key-file={key}",
+                        f"--socket={m}/munge.socket.2",
+                        f"--pid-file={m}/munged.pid",
+                        f"--log-file={m}/munged.log",
+                        f"--seed-file={m}/munged.seed",
+                    ],
+                )
                 self._wait_for(lambda: (m / "munge.socket.2").exists(), 10, "munged socket")
             pids["slurmctld"] = self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i"])
             for name in NODES:

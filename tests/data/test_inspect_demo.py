@@ -44,7 +44,12 @@ def test_tokenizer_train_and_verify_cli(tmp_path, capsys, small_docs):
     assert cli_main(["tokenizer", "train", "-i", str(inp), "-o", str(tmp_path / "tok"), "--vocab-size", "700"]) == 0
     out = capsys.readouterr().out
     assert "tokenizer.json: 700 tokens, end-of-document id 0, padding id 1, engine fast" in out
-    assert cli_main(["tokenizer", "verify", str(tmp_path / "tok" / "tokenizer.json"), "-i", str(inp), "--probe-step", "11"]) == 0
+    assert (
+        cli_main(
+            ["tokenizer", "verify", str(tmp_path / "tok" / "tokenizer.json"), "-i", str(inp), "--probe-step", "11"]
+        )
+        == 0
+    )
     assert "fast engine matches HF" in capsys.readouterr().out
     assert cli_main(["tokenizer", "train", "-i", str(inp), "-o", str(tmp_path / "t2"), "--vocab-size", "100"]) == 2
     assert "vocab_size=100: must be at least 259" in capsys.readouterr().err

@@ -1,12 +1,11 @@
-
 import numpy as np
 import pytest
 import torch
 
 from megagate.data.corpus import write_jsonl
 from megagate.data.loader import build_datasets, build_loader, parse_blend
-from megagate.data.sampler import BATCH_KEYS, PretrainingSampler
 from megagate.data.preprocess import preprocess
+from megagate.data.sampler import BATCH_KEYS, PretrainingSampler
 from megagate.data.tokenizer import load_tokenizer
 from megagate.errors import ConfigError, MegagateError
 
@@ -14,6 +13,7 @@ from megagate.errors import ConfigError, MegagateError
 @pytest.fixture(scope="module")
 def two_prefixes(small_docs, small_tok, tmp_path_factory):
     d = tmp_path_factory.mktemp("blend")
+
     # paragraphs as documents: hundreds of documents, so every split gets some
     def paragraphs(docs):
         return [{"text": p} for x in docs for p in x["text"].split("\n\n") if p.strip()]
@@ -38,7 +38,9 @@ def test_blend_with_splits_and_cache_reuse(two_prefixes, small_tok, tmp_path):
     from megatron.core.datasets.blended_dataset import BlendedDataset
 
     tok = load_tokenizer(small_tok)
-    kw = dict(tokenizer=tok, seq_length=64, num_samples=(400, 40, 20), split="90,5,5", seed=11, cache_dir=tmp_path / "cache")
+    kw = dict(
+        tokenizer=tok, seq_length=64, num_samples=(400, 40, 20), split="90,5,5", seed=11, cache_dir=tmp_path / "cache"
+    )
     blend = [(0.7, two_prefixes[0]), (0.3, two_prefixes[1])]
     train, valid, test = build_datasets(blend, **kw)
     assert isinstance(train, BlendedDataset) and len(train) >= 400 and len(valid) >= 40 and len(test) >= 20
@@ -68,9 +70,19 @@ def test_damaged_prefix_is_reported_by_name(two_prefixes, small_tok, tmp_path):
 
 
 def test_split_without_documents_is_refused(small_tok, tmp_path):
-    res = preprocess([write_jsonl([{"text": f"doc {i}"} for i in range(5)], tmp_path / "c.jsonl")], str(tmp_path / "p"), small_tok, workers=0, progress=False)
-    with pytest.raises(ConfigError, match="split '90,5,5' gives the test split no documents of .*p_text_document \\(5 documents\\)"):
-        build_datasets([res.prefixes["text"]], tokenizer=small_tok, seq_length=8, num_samples=(10, 2, 2), split="90,5,5")
+    res = preprocess(
+        [write_jsonl([{"text": f"doc {i}"} for i in range(5)], tmp_path / "c.jsonl")],
+        str(tmp_path / "p"),
+        small_tok,
+        workers=0,
+        progress=False,
+    )
+    with pytest.raises(
+        ConfigError, match="split '90,5,5' gives the test split no documents of .*p_text_document \\(5 documents\\)"
+    ):
+        build_datasets(
+            [res.prefixes["text"]], tokenizer=small_tok, seq_length=8, num_samples=(10, 2, 2), split="90,5,5"
+        )
 
 
 def test_sampler_resume_and_data_parallel_slices():
@@ -79,7 +91,11 @@ def test_sampler_resume_and_data_parallel_slices():
     assert list(PretrainingSampler(50, 12, 3)) == full[4:]
     r0 = list(PretrainingSampler(50, 6, 3, 0, 2))
     r1 = list(PretrainingSampler(50, 6, 3, 1, 2))
-    assert r0[0] == [6, 7, 8] and r1[0] == [9, 10, 11] and len(r0) == len(r1) == len(PretrainingSampler(50, 6, 3, 1, 2)) == 7
+    assert (
+        r0[0] == [6, 7, 8]
+        and r1[0] == [9, 10, 11]
+        and len(r0) == len(r1) == len(PretrainingSampler(50, 6, 3, 1, 2)) == 7
+    )
     with pytest.raises(ConfigError, match="consumed_samples=50: must be in"):
         PretrainingSampler(50, 50, 3)
 
@@ -87,7 +103,12 @@ def test_sampler_resume_and_data_parallel_slices():
 @pytest.fixture(scope="module")
 def train_ds(two_prefixes, small_tok, tmp_path_factory):
     train, _, _ = build_datasets(
-        [two_prefixes[0]], tokenizer=small_tok, seq_length=128, num_samples=(300, None, None), split="1,0,0", seed=5,
+        [two_prefixes[0]],
+        tokenizer=small_tok,
+        seq_length=128,
+        num_samples=(300, None, None),
+        split="1,0,0",
+        seed=5,
         cache_dir=tmp_path_factory.mktemp("cache"),
     )
     return train
@@ -120,7 +141,9 @@ def test_dali_and_torch_loaders_give_identical_batches(train_ds):
 
 
 def test_mock_datasets():
-    train, valid, _ = build_datasets(None, mock=True, seq_length=32, num_samples=(64, 8, 0), split="1,1,0", mock_vocab_size=500)
+    train, valid, _ = build_datasets(
+        None, mock=True, seq_length=32, num_samples=(64, 8, 0), split="1,1,0", mock_vocab_size=500
+    )
     b = next(iter(build_loader(train, 8)))
     assert b["tokens"].shape == (8, 32) and int(b["tokens"].max()) < 500
 
@@ -130,7 +153,14 @@ def test_build_with_initialised_process_group(two_prefixes, small_tok, tmp_path)
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
-        train, _, _ = build_datasets([two_prefixes[1]], tokenizer=small_tok, seq_length=32, num_samples=(50, 0, 0), split="1,0,0", cache_dir=tmp_path / "c")
+        train, _, _ = build_datasets(
+            [two_prefixes[1]],
+            tokenizer=small_tok,
+            seq_length=32,
+            num_samples=(50, 0, 0),
+            split="1,0,0",
+            cache_dir=tmp_path / "c",
+        )
         assert len(train) >= 50 and next(iter(build_loader(train, 2)))["tokens"].shape == (2, 32)
     finally:
         dist.destroy_process_group()

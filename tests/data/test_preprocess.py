@@ -71,7 +71,9 @@ def _check_gpt_dataset(prefix: str, tok_path: str, texts: list[str], seq: int = 
     from megagate.data.loader import build_datasets
 
     tok = load_tokenizer(tok_path, engine="hf")
-    train, _, _ = build_datasets([prefix], tokenizer=tok, seq_length=seq, split="1,0,0", num_samples=(None, None, None), seed=3)
+    train, _, _ = build_datasets(
+        [prefix], tokenizer=tok, seq_length=seq, split="1,0,0", num_samples=(None, None, None), seed=3
+    )
     docs = [tok.encode(t) for t in texts]
     stream = np.concatenate([np.append(docs[d], tok.eod) for d in train.document_index])
     assert len(train) == (stream.size - 1) // seq
@@ -90,7 +92,14 @@ def test_worker_count_and_engine_do_not_change_output_bytes(small_docs, small_to
     inp = write_jsonl(small_docs, tmp_path / "c.jsonl")
     outs = []
     for engine, workers in (("fast", 1), ("fast", 2), ("hf", 2), ("fast", 0)):
-        res = preprocess([inp], str(tmp_path / f"o{engine}{workers}"), TokenizerSpec(small_tok, engine), workers=workers, progress=False, chunk_bytes=32 << 10)
+        res = preprocess(
+            [inp],
+            str(tmp_path / f"o{engine}{workers}"),
+            TokenizerSpec(small_tok, engine),
+            workers=workers,
+            progress=False,
+            chunk_bytes=32 << 10,
+        )
         assert res.engine == engine
         p = res.prefixes["text"]
         outs.append((open(p + ".bin", "rb").read(), open(p + ".idx", "rb").read()))
@@ -117,9 +126,18 @@ def _bad_input(path: Path) -> None:
 def test_bad_lines_are_counted_reported_and_skipped(small_tok, tmp_path):
     _bad_input(tmp_path / "bad.jsonl")
     logs = []
-    res = preprocess([tmp_path / "bad.jsonl"], str(tmp_path / "o"), small_tok, workers=0, progress=False, log=logs.append)
+    res = preprocess(
+        [tmp_path / "bad.jsonl"], str(tmp_path / "o"), small_tok, workers=0, progress=False, log=logs.append
+    )
     assert res.documents == 2 and res.bad_lines == 6 and res.blank_lines == 1
-    assert res.bad_by_reason == {"invalid JSON": 1, "missing key 'text'": 1, "not UTF-8": 1, "empty text in key 'text'": 1, "not a JSON object": 1, "key 'text' is int, expected a string": 1}
+    assert res.bad_by_reason == {
+        "invalid JSON": 1,
+        "missing key 'text'": 1,
+        "not UTF-8": 1,
+        "empty text in key 'text'": 1,
+        "not a JSON object": 1,
+        "key 'text' is int, expected a string": 1,
+    }
     bad = str(tmp_path / "bad.jsonl")
     assert [line.split(": ")[0] for line in logs] == [f"skipped {bad}:{n}" for n in (2, 3, 4, 5, 7, 8)]
     assert _read_back(res.prefixes["text"], small_tok) == ["a good line" + EOD_TOKEN] * 2
@@ -127,7 +145,22 @@ def test_bad_lines_are_counted_reported_and_skipped(small_tok, tmp_path):
 
 def test_bad_line_fatal_via_cli_writes_nothing(small_tok, tmp_path, capsys):
     _bad_input(tmp_path / "bad.jsonl")
-    rc = cli_main(["preprocess", "-i", str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "o"), "-t", small_tok, "--bad-lines", "error", "-w", "1", "--no-progress"])
+    rc = cli_main(
+        [
+            "preprocess",
+            "-i",
+            str(tmp_path / "bad.jsonl"),
+            "-o",
+            str(tmp_path / "o"),
+            "-t",
+            small_tok,
+            "--bad-lines",
+            "error",
+            "-w",
+            "1",
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2
     assert "bad.jsonl:2: invalid JSON" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
@@ -145,7 +178,19 @@ def test_bad_line_fatal_via_cli_writes_nothing(small_tok, tmp_path, capsys):
 )
 def test_cli_user_errors(small_tok, tmp_path, capsys, args, message):
     write_jsonl([{"text": "x"}], tmp_path / "c.jsonl")
-    rc = cli_main(["preprocess", "-i", str(tmp_path / "c.jsonl"), "-o", str(tmp_path / "o"), "-t", small_tok, "--no-progress", *args])
+    rc = cli_main(
+        [
+            "preprocess",
+            "-i",
+            str(tmp_path / "c.jsonl"),
+            "-o",
+            str(tmp_path / "o"),
+            "-t",
+            small_tok,
+            "--no-progress",
+            *args,
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and message in err and "Traceback" not in err
     assert not list(tmp_path.glob("o_*"))
@@ -153,7 +198,18 @@ def test_cli_user_errors(small_tok, tmp_path, capsys, args, message):
 
 def test_cli_refuses_to_overwrite_and_rejects_unknown_inputs(small_tok, tmp_path, capsys):
     write_jsonl([{"text": "x"}], tmp_path / "c.jsonl")
-    base = ["preprocess", "-i", str(tmp_path / "c.jsonl"), "-o", str(tmp_path / "o"), "-t", small_tok, "--no-progress", "-w", "0"]
+    base = [
+        "preprocess",
+        "-i",
+        str(tmp_path / "c.jsonl"),
+        "-o",
+        str(tmp_path / "o"),
+        "-t",
+        small_tok,
+        "--no-progress",
+        "-w",
+        "0",
+    ]
     assert cli_main(base) == 0
     assert cli_main(base) == 2 and "already exists; pass --overwrite" in capsys.readouterr().err
     assert cli_main(base + ["--overwrite"]) == 0
@@ -163,7 +219,23 @@ def test_cli_refuses_to_overwrite_and_rejects_unknown_inputs(small_tok, tmp_path
 
 
 def _start(inp, out, tok) -> subprocess.Popen:
-    cmd = [PY, "-m", "megagate", "preprocess", "-i", str(inp), "-o", str(out), "-t", tok, "-w", "1", "--chunk-mb", "0.25", "--no-progress"]
+    cmd = [
+        PY,
+        "-m",
+        "megagate",
+        "preprocess",
+        "-i",
+        str(inp),
+        "-o",
+        str(out),
+        "-t",
+        tok,
+        "-w",
+        "1",
+        "--chunk-mb",
+        "0.25",
+        "--no-progress",
+    ]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -192,14 +264,21 @@ def test_interrupted_run_leaves_no_finished_files_and_rerun_completes(full_docs,
         assert "interrupted; temporary files removed" in proc.stderr.read().decode()
     proc = _start(inp, tmp_path / "out", big_tok)
     assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "out_text_document.bin", "out_text_document.idx", "out_text_document.meta.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "c.jsonl",
+        "out_text_document.bin",
+        "out_text_document.idx",
+        "out_text_document.meta.json",
+    ]
     info = validate(str(tmp_path / "out_text_document"))
     assert info["documents"] == len(full_docs)
     tok = load_tokenizer(big_tok)
     sample = [0, len(full_docs) // 2, len(full_docs) - 1]
     from megagate.data.indexed import read_document
 
-    assert [tok.decode(read_document(str(tmp_path / "out_text_document"), i)) for i in sample] == [full_docs[i]["text"] + EOD_TOKEN for i in sample]
+    assert [tok.decode(read_document(str(tmp_path / "out_text_document"), i)) for i in sample] == [
+        full_docs[i]["text"] + EOD_TOKEN for i in sample
+    ]
 
 
 def test_progress_line_reports_rates_and_eta(small_docs, small_tok, tmp_path, capsys):

@@ -91,8 +91,13 @@ def test_sentencepiece_model(tmp_path, small_docs):
 
     texts = [d["text"] for d in small_docs[:60]]
     spm.SentencePieceTrainer.Train(
-        sentence_iterator=iter(texts), model_prefix=str(tmp_path / "sp"), vocab_size=800, model_type="bpe",
-        byte_fallback=True, minloglevel=2, max_sentence_length=1 << 20,
+        sentence_iterator=iter(texts),
+        model_prefix=str(tmp_path / "sp"),
+        vocab_size=800,
+        model_type="bpe",
+        byte_fallback=True,
+        minloglevel=2,
+        max_sentence_length=1 << 20,
     )
     tok = load_tokenizer(tmp_path / "sp.model")
     assert tok.name == "sentencepiece" and tok.vocab_size == 800

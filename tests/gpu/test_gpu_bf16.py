@@ -45,7 +45,6 @@ def _variants():
 @pytest.mark.parametrize("variant", _variants())
 def test_variant_bf16_matches_fp64_reference(world, variant):
     from helpers import reference
-
     from megagate.model import gate as gates
 
     gate = gates.preset(variant)
@@ -68,8 +67,9 @@ def test_g1_bf16_equals_megatron_output_gate(world):
 
     ours, model, config = _attention(gates.preset("g1-elementwise"))
     spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    theirs = build_module(spec.submodules.self_attention, config=dataclasses.replace(config, attention_output_gate=True),
-                          layer_number=1).cuda()  # fmt: skip
+    theirs = build_module(
+        spec.submodules.self_attention, config=dataclasses.replace(config, attention_output_gate=True), layer_number=1
+    ).cuda()
     ours.load_state_dict(theirs.state_dict())
     x = torch.randn(SEQ, BATCH, model.hidden_size, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(ours(x, None)[0], theirs(x, None)[0], atol=1e-2, rtol=1e-2)

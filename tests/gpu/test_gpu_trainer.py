@@ -13,9 +13,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _train(out: Path, *overrides: str) -> None:
-    cmd = [sys.executable, "-m", "megagate", "train", "--config", str(ROOT / "examples" / "tiny_cpu.yaml"),
-           "train.precision=bf16", "train.backend=local", "train.train_steps=20", "train.eval_interval=0",
-           "logging.interval=1", f"output.dir={out}", f"data.demo_dir={out.parent / 'demo-data'}", *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "megagate",
+        "train",
+        "--config",
+        str(ROOT / "examples" / "tiny_cpu.yaml"),
+        "train.precision=bf16",
+        "train.backend=local",
+        "train.train_steps=20",
+        "train.eval_interval=0",
+        "logging.interval=1",
+        f"output.dir={out}",
+        f"data.demo_dir={out.parent / 'demo-data'}",
+        *overrides,
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=600)
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "gate_variants.md"

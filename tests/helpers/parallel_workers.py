@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from megatron.core import parallel_state
@@ -91,7 +92,7 @@ def _checkpoint_mismatches(model: torch.nn.Module) -> list[str]:
 
 
 def tp_worker(
-    rank: int, world: int, variants: list[str | gates.GateConfig], setup: Optional[Callable[[], Any]] = None
+    rank: int, world: int, variants: list[str | gates.GateConfig], setup: Callable[[], Any] | None = None
 ) -> dict[str, dict[str, Any]]:
     """For each variant (a preset name or a GateConfig): TP=1 and TP=2 models with the same full weights; max |Δ| of
     losses and gradients, and the gate parameters whose checkpoint shapes disagree with the table. `setup` runs
@@ -111,7 +112,10 @@ def tp_worker(
         parallel_state.destroy_model_parallel()
 
         tp = _build(model, ParallelConfig(tensor_model_parallel_size=2))
-        tp_rank, group = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_group()
+        tp_rank, group = (
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_group(),
+        )
         with torch.no_grad():
             for name, p in tp.named_parameters():
                 p.copy_(_shard(name, full[name][0], p, tp_rank, 2))
@@ -185,7 +189,7 @@ def pp_variant(variant: str, num_microbatches: int) -> dict[str, float]:
 
     def full_name(name: str) -> str:
         if name.startswith("decoder.layers."):
-            index, rest = name[len("decoder.layers."):].split(".", 1)
+            index, rest = name[len("decoder.layers.") :].split(".", 1)
             return f"decoder.layers.{int(index) + offset}.{rest}"
         return name
 

@@ -41,9 +41,14 @@ def make_weights(gate, h: int, n: int, g: int, d: int, seed: int = 0, dtype=torc
         scale = scale if scale is not None else 1.0 / math.sqrt(shape[-1])
         return (torch.randn(*shape, generator=gen, dtype=dtype) * scale).requires_grad_()
 
-    w = {"q": rand(n, d, h), "k": rand(g, d, h), "v": rand(g, d, h), "o": rand(h, n * d),
-         "qn": (1 + 0.1 * torch.randn(d, generator=gen, dtype=dtype)).requires_grad_(),
-         "kn": (1 + 0.1 * torch.randn(d, generator=gen, dtype=dtype)).requires_grad_()}
+    w = {
+        "q": rand(n, d, h),
+        "k": rand(g, d, h),
+        "v": rand(g, d, h),
+        "o": rand(h, n * d),
+        "qn": (1 + 0.1 * torch.randn(d, generator=gen, dtype=dtype)).requires_grad_(),
+        "kn": (1 + 0.1 * torch.randn(d, generator=gen, dtype=dtype)).requires_grad_(),
+    }
     width = d if gate.granularity == "elementwise" else 1
     if gate.position in ("g1", "g2", "g3", "g4"):
         heads = n if gate.position in ("g1", "g4") else g
@@ -80,8 +85,12 @@ def fuse_qkv(w: dict[str, torch.Tensor], gate, n: int, g: int) -> torch.Tensor:
 
 def module_params(w: dict[str, torch.Tensor], gate, n: int, g: int) -> dict[str, torch.Tensor]:
     """The megagate GatedSelfAttention parameter dict for these weights."""
-    params = {"linear_qkv.weight": fuse_qkv(w, gate, n, g), "linear_proj.weight": w["o"],
-              "q_layernorm.weight": w["qn"], "k_layernorm.weight": w["kn"]}
+    params = {
+        "linear_qkv.weight": fuse_qkv(w, gate, n, g),
+        "linear_proj.weight": w["o"],
+        "q_layernorm.weight": w["qn"],
+        "k_layernorm.weight": w["kn"],
+    }
     if "gs" in w:
         params["shared_gate_weight"] = w["gs"]
     if "p" in w:

@@ -42,13 +42,28 @@ class SlurmHarness:
 
     def request(self, job_name: str, **kw) -> SlurmRequest:
         """A 2-node x 2-task CPU job on the local cluster (node names do not resolve: rendezvous on 127.0.0.1)."""
-        base = dict(nodes=2, gpus_per_node=0, tasks_per_node=2, time="10:00", signal_lead_s=60, job_name=job_name,
-                    master_addr="127.0.0.1", python=PYTHON, env={"GLOO_SOCKET_IFNAME": "lo"})
+        base = dict(
+            nodes=2,
+            gpus_per_node=0,
+            tasks_per_node=2,
+            time="10:00",
+            signal_lead_s=60,
+            job_name=job_name,
+            master_addr="127.0.0.1",
+            python=PYTHON,
+            env={"GLOO_SOCKET_IFNAME": "lo"},
+        )
         base.update(kw)
         return SlurmRequest(**base)
 
-    def submit(self, request: SlurmRequest, workdir: Path, args: Sequence[str], launcher: str = "srun",
-               program: Sequence[str] = (str(STAND_IN),)) -> int:
+    def submit(
+        self,
+        request: SlurmRequest,
+        workdir: Path,
+        args: Sequence[str],
+        launcher: str = "srun",
+        program: Sequence[str] = (str(STAND_IN),),
+    ) -> int:
         """Render and submit `python PROGRAM --config none.yaml ARGS` (the stand-in trainer by default)."""
         script = render_batch_script(request, [*program, "--config", "none.yaml", *args], launcher=launcher)
         return submit(request, script, cwd=workdir, env=self.env, script_path=workdir / f"{request.job_name}.sbatch")
@@ -62,8 +77,13 @@ class SlurmHarness:
         out = self.cluster.run("scontrol", "show", "job", "-o", check=False)
         return set(re.findall(r"^JobId=(\d+)", out.stdout, flags=re.M))
 
-    def wait(self, job_id: int, timeout: float = 120, release: bool = True,
-             until: Sequence[str] = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")) -> dict[str, str]:
+    def wait(
+        self,
+        job_id: int,
+        timeout: float = 120,
+        release: bool = True,
+        until: Sequence[str] = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"),
+    ) -> dict[str, str]:
         """Poll until the job reaches one of `until`; a requeued job held by its BeginTime is started now."""
         deadline = time.monotonic() + timeout
         info: dict[str, str] = {}
@@ -85,5 +105,3 @@ class SlurmHarness:
     def log(self, workdir: Path, request: SlurmRequest, job_id: int) -> str:
         path = workdir / request.log_dir / f"{request.job_name}-{job_id}.out"
         return path.read_text() if path.exists() else ""
-
-

@@ -63,9 +63,16 @@ def main(argv: list[str]) -> int:
     start = state["step"]
     weight = state["weight"]
     record = {
-        "rank": rank, "world_size": env.world_size, "local_rank": env.local_rank, "node_rank": env.node_rank,
-        "slurm_nodeid": os.environ.get("SLURM_NODEID"), "master_port": env.master_port, "source": env.source,
-        "restart": restart, "start_step": start, "sums": [],
+        "rank": rank,
+        "world_size": env.world_size,
+        "local_rank": env.local_rank,
+        "node_rank": env.node_rank,
+        "slurm_nodeid": os.environ.get("SLURM_NODEID"),
+        "master_port": env.master_port,
+        "source": env.source,
+        "restart": restart,
+        "start_step": start,
+        "sums": [],
     }
     step = start
     signalled = False

@@ -12,24 +12,45 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "tiny_cpu.yaml"
-BASE = ["train.seq_length=64", "train.global_batch_size=8", "train.micro_batch_size=2", "train.train_steps=12",
-        "train.warmup_steps=2", "train.eval_interval=0", "train.eval_iters=1", "logging.interval=1",
-        "checkpoint.interval=0", "logging.tensorboard=false"]  # fmt: skip
+BASE = [
+    "train.seq_length=64",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.train_steps=12",
+    "train.warmup_steps=2",
+    "train.eval_interval=0",
+    "train.eval_iters=1",
+    "logging.interval=1",
+    "checkpoint.interval=0",
+    "logging.tensorboard=false",
+]
 
 
-def run_train(out: Path, demo_dir: Path, *overrides: str, nproc: int = 1, check: bool = True,
-              timeout: int = 600) -> subprocess.CompletedProcess:  # fmt: skip
+def run_train(
+    out: Path, demo_dir: Path, *overrides: str, nproc: int = 1, check: bool = True, timeout: int = 600
+) -> subprocess.CompletedProcess:
     """Run the trainer on the tiny config; nproc > 1 uses torchrun (standalone, gloo)."""
     args = ["--config", str(CONFIG), *BASE, f"data.demo_dir={demo_dir}", f"output.dir={out}", *overrides]
     if nproc == 1:
         cmd = [sys.executable, "-m", "megagate", "train", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "megagate", "train", *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "megagate",
+            "train",
+            *args,
+        ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return proc
 
 

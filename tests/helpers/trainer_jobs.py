@@ -35,8 +35,16 @@ RESULT = "job.json"  # written last: its presence means the job finished (whatev
 DEMO_VOCAB, DEMO_BYTES = 2048, 1_500_000  # examples/tiny_cpu.yaml's demo data (DataSection defaults)
 
 # The short runs of the monitor tests: seq 64, one micro-batch of 8, warm-up 3, no evaluation but the final one.
-TINY = ["train.train_steps=30", "train.seq_length=64", "train.micro_batch_size=8", "train.global_batch_size=8",
-        "train.warmup_steps=3", "train.eval_interval=0", "train.eval_iters=1", "logging.interval=1"]  # fmt: skip
+TINY = [
+    "train.train_steps=30",
+    "train.seq_length=64",
+    "train.micro_batch_size=8",
+    "train.global_batch_size=8",
+    "train.warmup_steps=3",
+    "train.eval_interval=0",
+    "train.eval_iters=1",
+    "logging.interval=1",
+]
 # A clean 200-step run at the default monitor settings (tests/train/test_monitor_actions.py and the curves of
 # tests/monitor/test_spike.py: the same overrides, so one session trains it once).
 CLEAN_200 = [*TINY, "train.train_steps=200", "logging.tensorboard=false"]
@@ -94,29 +102,58 @@ def _key(*parts: Any) -> str:
     return hashlib.sha1(json.dumps(parts).encode()).hexdigest()[:12]
 
 
-def run_jobs(tmp_path_factory: Any, demo_dir: Path, jobs: dict[str, list[str]],
-             snapshots: dict[str, list[int]] | None = None, hook_logs: set[str] | frozenset = frozenset(),
-             timeout: float = 1800) -> dict[str, Run]:  # fmt: skip
+def run_jobs(
+    tmp_path_factory: Any,
+    demo_dir: Path,
+    jobs: dict[str, list[str]],
+    snapshots: dict[str, list[int]] | None = None,
+    hook_logs: set[str] | frozenset = frozenset(),
+    timeout: float = 1800,
+) -> dict[str, Run]:
     """Run (or reuse) each job: overrides of examples/tiny_cpu.yaml (output.dir and data.demo_dir are added)."""
     snapshots = snapshots or {}
     root = tmp_path_factory.getbasetemp() / "trainer-runs"
     root.mkdir(exist_ok=True)
     extras = {name: {"snapshots": snapshots.get(name, []), "hooks": name in hook_logs} for name in jobs}
-    dirs = {name: root / (_key(over, extras[name]["snapshots"]) if not extras[name]["hooks"] else
-                          _key(over, extras[name]["snapshots"], "hooks")) for name, over in jobs.items()}  # fmt: skip
-    todo = [{"dir": str(d), "argv": ["--config", str(CONFIG), *jobs[name], f"data.demo_dir={demo_dir}",
-                                     f"output.dir={d}"], **extras[name]}
-            for name, d in dirs.items() if not (d / RESULT).exists()]  # fmt: skip
+    dirs = {
+        name: root
+        / (
+            _key(over, extras[name]["snapshots"])
+            if not extras[name]["hooks"]
+            else _key(over, extras[name]["snapshots"], "hooks")
+        )
+        for name, over in jobs.items()
+    }
+    todo = [
+        {
+            "dir": str(d),
+            "argv": ["--config", str(CONFIG), *jobs[name], f"data.demo_dir={demo_dir}", f"output.dir={d}"],
+            **extras[name],
+        }
+        for name, d in dirs.items()
+        if not (d / RESULT).exists()
+    ]
     if todo:
         spec = root / f"spec-{os.getpid()}-{time.monotonic_ns()}.json"
         spec.write_text(json.dumps(todo))
         env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH", "")]))  # fmt: skip
-        proc = subprocess.run([sys.executable, "-m", "helpers.trainer_jobs", str(spec)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        env.update(
+            OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+            PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH", "")]),
+        )
+        proc = subprocess.run(
+            [sys.executable, "-m", "helpers.trainer_jobs", str(spec)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         missing = [name for name, d in dirs.items() if not (d / RESULT).exists()]
-        assert not missing, f"jobs {missing} did not finish (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+        assert not missing, (
+            f"jobs {missing} did not finish (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+        )
     runs = {}
     for name, d in dirs.items():
         result = json.loads((d / RESULT).read_text())
@@ -227,7 +264,9 @@ def main(spec: Path) -> None:
                 os.dup2(saved[0], 1)
                 os.dup2(saved[1], 2)
         if rc == 2 and not error:  # the CLI printed the one-line error: keep it
-            lines = [x for x in (out / "console.log").read_text().splitlines() if x.startswith("megagate train: error:")]
+            lines = [
+                x for x in (out / "console.log").read_text().splitlines() if x.startswith("megagate train: error:")
+            ]
             error = lines[-1] if lines else ""
         seconds = time.perf_counter() - start
         (out / RESULT).write_text(json.dumps({"rc": rc, "error": error, "seconds": seconds}))

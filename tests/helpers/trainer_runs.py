@@ -25,18 +25,28 @@ CHECKPOINT_INTERVAL = 3
 def overrides(demo_dir: Path, out: Path, tp: int = 2) -> list[str]:
     """The one training setup every run here shares (a TP=2 x DP=2 run and a single-process run start alike)."""
     return [
-        f"output.dir={out}", f"data.demo_dir={demo_dir}", f"train.train_steps={STEPS}",
-        "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_length=64", "train.eval_interval=0",
-        "logging.interval=1", "logging.tensorboard=false", f"checkpoint.interval={CHECKPOINT_INTERVAL}",
+        f"output.dir={out}",
+        f"data.demo_dir={demo_dir}",
+        f"train.train_steps={STEPS}",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        "train.seq_length=64",
+        "train.eval_interval=0",
+        "logging.interval=1",
+        "logging.tensorboard=false",
+        f"checkpoint.interval={CHECKPOINT_INTERVAL}",
         f"parallel.tensor_model_parallel_size={tp}",
-    ]  # fmt: skip
+    ]
 
 
 def local_env() -> dict[str, str]:
     """The environment for runs outside Slurm: no leaked rank or Slurm variables, the working tree's megagate."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                                          "MASTER_ADDR", "MASTER_PORT")}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"  # as the batch script sets it: the same CPU kernels, the same rounding
     return env
@@ -53,14 +63,29 @@ def run_local(argv: list[str], log: Path, timeout: float = 300) -> float:
 
 
 def train_single(demo_dir: Path, out: Path) -> float:
-    return run_local([sys.executable, "-m", "megagate", "train", "--config", str(CONFIG),
-                      *overrides(demo_dir, out, tp=1)], out.with_suffix(".log"))  # fmt: skip
+    return run_local(
+        [sys.executable, "-m", "megagate", "train", "--config", str(CONFIG), *overrides(demo_dir, out, tp=1)],
+        out.with_suffix(".log"),
+    )
 
 
 def train_torchrun(demo_dir: Path, out: Path) -> float:
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    return run_local([torchrun, "--standalone", "--nproc-per-node", "4", "-m", "megagate", "train",
-                      "--config", str(CONFIG), *overrides(demo_dir, out)], out.with_suffix(".log"))  # fmt: skip
+    return run_local(
+        [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "-m",
+            "megagate",
+            "train",
+            "--config",
+            str(CONFIG),
+            *overrides(demo_dir, out),
+        ],
+        out.with_suffix(".log"),
+    )
 
 
 def train_records(out: Path) -> list[dict]:
@@ -119,8 +144,11 @@ def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
 
     reader = dcp.FileSystemReader(str(path))
     meta = reader.read_metadata()
-    state = {k: torch.zeros(v.size, dtype=v.properties.dtype)
-             for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}  # fmt: skip
+    state = {
+        k: torch.zeros(v.size, dtype=v.properties.dtype)
+        for k, v in meta.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
     dcp.load(state, storage_reader=reader, no_dist=True)
     return state
 

@@ -22,8 +22,14 @@ from megagate.monitor.spike import SpikeMonitor, SpikeMonitorConfig, robust_base
 
 STEPS, FAULT_STEPS = 200, (50, 100, 150, 190)
 PRESETS, LRS, SEEDS = ("g1-elementwise", "baseline"), (0.001, 0.003, 0.01, 0.03), (1234, 1)
-FAULTS = {"loss x10": ("loss", 10.0), "nan": ("grad_norm", math.nan), "grad-norm x50": ("grad_norm", 50.0),
-          "grad-norm x20": ("grad_norm", 20.0), "grad-norm x10": ("grad_norm", 10.0), "loss x1.5": ("loss", 1.5)}  # fmt: skip
+FAULTS = {
+    "loss x10": ("loss", 10.0),
+    "nan": ("grad_norm", math.nan),
+    "grad-norm x50": ("grad_norm", 50.0),
+    "grad-norm x20": ("grad_norm", 20.0),
+    "grad-norm x10": ("grad_norm", 10.0),
+    "loss x1.5": ("loss", 1.5),
+}
 
 
 class Base:
@@ -39,17 +45,30 @@ class Base:
 def curves(out: Path) -> dict[str, dict[str, list[float]]]:
     base = Base(out)
     out.mkdir(parents=True, exist_ok=True)
-    jobs = {f"{p}|lr {lr:g}|seed {s}": [*trainer_jobs.TINY, f"train.train_steps={STEPS}", "logging.tensorboard=false",
-                                        f"model.gate.preset={p}", f"train.lr={lr}", f"seed={s}"]
-            for p in PRESETS for lr in LRS for s in SEEDS}  # fmt: skip
+    jobs = {
+        f"{p}|lr {lr:g}|seed {s}": [
+            *trainer_jobs.TINY,
+            f"train.train_steps={STEPS}",
+            "logging.tensorboard=false",
+            f"model.gate.preset={p}",
+            f"train.lr={lr}",
+            f"seed={s}",
+        ]
+        for p in PRESETS
+        for lr in LRS
+        for s in SEEDS
+    }
     runs = trainer_jobs.run_jobs(base, trainer_jobs.demo_data(base), jobs, timeout=7200)
     found = {}
     for name, run in runs.items():
         assert run.rc == 0, f"{name}: {run.log[-2000:]}"
         records = run.train_records()
         found[name] = {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records]}
-        print(f"{name}: loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}, max grad norm "
-              f"{max(found[name]['grad_norm']):.3f} ({run.seconds:.0f} s)", flush=True)  # fmt: skip
+        print(
+            f"{name}: loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}, max grad norm "
+            f"{max(found[name]['grad_norm']):.3f} ({run.seconds:.0f} s)",
+            flush=True,
+        )
     return found
 
 
@@ -69,8 +88,10 @@ def main(out: Path) -> None:
     print("events on the clean curves at the defaults:", sum(map(len, natural.values())))
     for name, events in natural.items():
         for e in events:
-            print(f"  {name}: step {e.step} {e.metric} {e.value:.3g} = {e.value / e.baseline:.1f} x its baseline "
-                  f"{e.baseline:.3g}, z {e.score:.1f}")  # fmt: skip
+            print(
+                f"  {name}: step {e.step} {e.metric} {e.value:.3g} = {e.value / e.baseline:.1f} x its baseline "
+                f"{e.baseline:.3g}, z {e.score:.1f}"
+            )
     for kind, (metric, factor) in FAULTS.items():
         trials = exact = extra = clean_trials = clean_exact = 0
         for name, curve in found.items():
@@ -79,8 +100,10 @@ def main(out: Path) -> None:
                 trials, exact, extra = trials + 1, exact + (steps == {at}), extra + len(steps - {at})
                 if not natural[name]:
                     clean_trials, clean_exact = clean_trials + 1, clean_exact + (steps == {at})
-        print(f"{kind:14s} at steps {FAULT_STEPS}: {exact}/{trials} exactly that step ({extra} events at other "
-              f"steps); on the curves without a natural event {clean_exact}/{clean_trials}")  # fmt: skip
+        print(
+            f"{kind:14s} at steps {FAULT_STEPS}: {exact}/{trials} exactly that step ({extra} events at other "
+            f"steps); on the curves without a natural event {clean_exact}/{clean_trials}"
+        )
     for metric, log in (("loss", False), ("grad_norm", True)):
         best = (-math.inf, "", 0)
         for name, curve in found.items():

@@ -60,10 +60,20 @@ def test_analyze_command_refuses_a_folder_that_is_no_checkpoint(tmp_path):
 # --- report over real run directories ---------------------------------------------------------------------------
 def trainer_run(preset: str, fault_step: int | None = None) -> list[str]:
     """60 trainer steps at LR 3e-3, seed 0, the spike monitor in warn mode, one diagnostics probe at the end."""
-    section = {"spike": {"action": "warn"}, "diagnostics": {"interval": 60},
-               "faults": [{"step": fault_step, "kind": "scale_loss", "factor": 10}] if fault_step else []}  # fmt: skip
-    return [*trainer_jobs.TINY, "train.train_steps=60", "logging.tensorboard=false", "train.lr=0.003", "seed=0",
-            f"model.gate.preset={preset}", "monitor=" + json.dumps(section)]  # fmt: skip
+    section = {
+        "spike": {"action": "warn"},
+        "diagnostics": {"interval": 60},
+        "faults": [{"step": fault_step, "kind": "scale_loss", "factor": 10}] if fault_step else [],
+    }
+    return [
+        *trainer_jobs.TINY,
+        "train.train_steps=60",
+        "logging.tensorboard=false",
+        "train.lr=0.003",
+        "seed=0",
+        f"model.gate.preset={preset}",
+        "monitor=" + json.dumps(section),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +97,9 @@ def test_report_aggregates_real_runs(report_runs, tmp_path):
     bad.mkdir()
     runfiles.write_atomic(bad / runfiles.CONFIG, "seed: 0\ntrain: {lr: 1.0}\nmodel: {gate: {preset: baseline}}\n")
     for step in range(1, 8):
-        runfiles.write_metrics(bad, step, "train", loss=6.0 if step < 5 else math.nan, lr=1.0, grad_norm=1.0,
-                               tokens_per_s=1.0)  # fmt: skip
+        runfiles.write_metrics(
+            bad, step, "train", loss=6.0 if step < 5 else math.nan, lr=1.0, grad_norm=1.0, tokens_per_s=1.0
+        )
     text = report.report([sweep_dir], tmp_path / "out")
     rows = {line.split()[0]: line.split() for line in text.splitlines()[2:]}
     assert set(rows) == {"g1_lr0.003", "base_lr0.003", "base_lr1"}
@@ -117,19 +128,30 @@ def test_runfiles_roundtrip_nonfinite_and_torn_line(tmp_path):
     (rec,) = runfiles.read_jsonl(path)
     assert rec["loss"] == math.inf and math.isnan(rec["x"][0])
     assert json.loads(path.read_text().splitlines()[0])["loss"] == "inf"
-    assert runfiles.is_diverged(6.0, 7.0) and not runfiles.is_diverged(6.0, 2.0) and runfiles.is_diverged(6.0, 2.0, aborted=True)
+    assert (
+        runfiles.is_diverged(6.0, 7.0)
+        and not runfiles.is_diverged(6.0, 2.0)
+        and runfiles.is_diverged(6.0, 2.0, aborted=True)
+    )
 
 
 # --- sweep -------------------------------------------------------------------------------------------------------
 def test_expand_grid():
-    specs = sweep.expand_grid(["train.steps=10", "train.lr=9"], [1e-3, 4e-3], ["baseline", "g1-elementwise"], [0, 1],
-                              out_dir="runs/s")  # fmt: skip
+    specs = sweep.expand_grid(
+        ["train.steps=10", "train.lr=9"], [1e-3, 4e-3], ["baseline", "g1-elementwise"], [0, 1], out_dir="runs/s"
+    )
     assert len(specs) == 8
     assert specs[0].name == "baseline_lr0.001_s0" and specs[0].run_dir == "runs/s/baseline_lr0.001_s0"
     assert specs[0].overrides == ("train.steps=10", "train.lr=0.001", "model.gate.preset=baseline", "seed=0")
-    assert specs[-1].argv("c.yaml") == ["--config", "c.yaml", "train.steps=10", "train.lr=0.004",
-                                        "model.gate.preset=g1-elementwise", "seed=1",
-                                        "output.dir=runs/s/g1-elementwise_lr0.004_s1"]  # fmt: skip
+    assert specs[-1].argv("c.yaml") == [
+        "--config",
+        "c.yaml",
+        "train.steps=10",
+        "train.lr=0.004",
+        "model.gate.preset=g1-elementwise",
+        "seed=1",
+        "output.dir=runs/s/g1-elementwise_lr0.004_s1",
+    ]
     with pytest.raises(ConfigError, match="sweep variant 'g9' is not a gate preset"):
         sweep.expand_grid([], [1e-3], ["g9"], [0])
     with pytest.raises(ConfigError, match="duplicate point"):
@@ -161,8 +183,12 @@ def test_run_local_and_report(tmp_path):
     script.write_text(STAND_IN_TRAINER)
     specs = sweep.expand_grid([], [1e-3, 0.1], ["baseline", "g1-elementwise"], [0], out_dir=str(tmp_path / "runs"))
     results = sweep.run_local(specs, "base.yaml", command=[sys.executable, str(script)])
-    assert results == {"baseline_lr0.001_s0": 0, "baseline_lr0.1_s0": 3, "g1-elementwise_lr0.001_s0": 0,
-                       "g1-elementwise_lr0.1_s0": 3}  # fmt: skip
+    assert results == {
+        "baseline_lr0.001_s0": 0,
+        "baseline_lr0.1_s0": 3,
+        "g1-elementwise_lr0.001_s0": 0,
+        "g1-elementwise_lr0.1_s0": 3,
+    }
     loaded = {r.name: r for r in map(report.load_run, report.find_runs([tmp_path / "runs"]))}
     assert loaded["baseline_lr0.001_s0"].final_loss == pytest.approx(2.1) and loaded["baseline_lr0.1_s0"].diverged
     report.report([tmp_path / "runs"], tmp_path / "rep")
@@ -176,7 +202,10 @@ def test_slurm_array_script(tmp_path):
     script = sweep.slurm_array(specs, "cfg.yaml", SlurmRequest(nodes=1, gpus_per_node=8, job_name="sw"))
     assert "#SBATCH --array=0-3" in script
     assert "-m megagate train --config cfg.yaml" in script
-    assert "3) SWEEP_ARGS=(train.lr=0.008 model.gate.preset=g1-elementwise seed=0 output.dir=runs/s/g1-elementwise_lr0.008_s0)" in script
+    assert (
+        "3) SWEEP_ARGS=(train.lr=0.008 model.gate.preset=g1-elementwise seed=0 output.dir=runs/s/g1-elementwise_lr0.008_s0)"
+        in script
+    )
     path = tmp_path / "sweep.sbatch"
     path.write_text(script)
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0

@@ -27,13 +27,30 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     demo = tmp_path_factory.getbasetemp() / "megagate-demo-data"  # shared with tests/train (built once)
     prepare_demo_data(demo, 2048, 1_500_000)
     out = tmp_path_factory.mktemp("analyze-run")
-    args = ["--config", str(ROOT / "examples" / "tiny_cpu.yaml"), f"train.train_steps={STEPS}", "train.seq_length=64",
-            "train.micro_batch_size=8", "train.global_batch_size=8", "train.warmup_steps=2", "train.eval_interval=0",
-            "train.eval_iters=1", "logging.tensorboard=false", f"data.demo_dir={demo}", f"output.dir={out}",
-            f"monitor={{diagnostics: {{interval: {STEPS}}}}}"]  # fmt: skip
+    args = [
+        "--config",
+        str(ROOT / "examples" / "tiny_cpu.yaml"),
+        f"train.train_steps={STEPS}",
+        "train.seq_length=64",
+        "train.micro_batch_size=8",
+        "train.global_batch_size=8",
+        "train.warmup_steps=2",
+        "train.eval_interval=0",
+        "train.eval_iters=1",
+        "logging.tensorboard=false",
+        f"data.demo_dir={demo}",
+        f"output.dir={out}",
+        f"monitor={{diagnostics: {{interval: {STEPS}}}}}",
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
-    proc = subprocess.run([sys.executable, "-m", "megagate", "train", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "megagate", "train", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     path = out / "checkpoints" / f"iter_{STEPS:07d}"
     assert path.is_dir()

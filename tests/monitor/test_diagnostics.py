@@ -117,9 +117,10 @@ def test_m_act_matches_next_layer_input_and_final_norm_input(megatron_world):
     seen = {}
     hooks = [
         model.decoder.layers[1].register_forward_pre_hook(
-            lambda m, a, k: seen.update(l0=float((a[0] if a else k["hidden_states"]).abs().max())), with_kwargs=True),
+            lambda m, a, k: seen.update(l0=float((a[0] if a else k["hidden_states"]).abs().max())), with_kwargs=True
+        ),
         model.decoder.final_layernorm.register_forward_pre_hook(lambda m, a: seen.update(l1=float(a[0].abs().max()))),
-    ]  # fmt: skip
+    ]
     try:
         diags = D.collect(model, tokens())
     finally:
@@ -172,6 +173,12 @@ def test_sparse_scores_histogram_and_tensorboard(megatron_world, tmp_path):
     # headwise G1: one score per (token, batch, head)
     assert hist.histogram_value.num == SEQ * 2 * 4
     records = D.records(7, diags)
-    assert records[1] == {"step": 7, "layer": 1, "gate_score_mean": diags[1].gate_score_mean,
-                          "gate_sparsity": diags[1].gate_sparsity, "f_attn": diags[1].f_attn,
-                          "m_act": diags[1].m_act, "max_logit": diags[1].max_logit}  # fmt: skip
+    assert records[1] == {
+        "step": 7,
+        "layer": 1,
+        "gate_score_mean": diags[1].gate_score_mean,
+        "gate_sparsity": diags[1].gate_sparsity,
+        "f_attn": diags[1].f_attn,
+        "m_act": diags[1].m_act,
+        "max_logit": diags[1].max_logit,
+    }

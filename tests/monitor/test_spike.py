@@ -43,8 +43,12 @@ JOBS = {
     "baseline@1e-2": [*trainer_jobs.CLEAN_200, "model.gate.preset=baseline", "train.lr=0.01", "seed=1"],
     # the default thresholds (min_history 20) with the action under test
     "skip": [*LIVE, monitor("skip", [{"step": K_SKIP, "kind": "nan_grad"}])],
-    "rollback": [*LIVE, monitor("rollback", [{"step": K_ROLLBACK, "kind": "scale_loss", "factor": 10}],
-                                rollback_skip_steps=2), "checkpoint.interval=10", "checkpoint.keep_last=10"],  # fmt: skip
+    "rollback": [
+        *LIVE,
+        monitor("rollback", [{"step": K_ROLLBACK, "kind": "scale_loss", "factor": 10}], rollback_skip_steps=2),
+        "checkpoint.interval=10",
+        "checkpoint.keep_last=10",
+    ],
     "abort": [*LIVE, "train.train_steps=50", monitor("abort", [{"step": K_ABORT, "kind": "corrupt_batch"}])],
 }
 
@@ -165,7 +169,9 @@ def test_spike_does_not_poison_the_baseline(clean_runs):
     losses, grad_norms = clean_runs["g1-elementwise@3e-3"]
     at = 150
     clean_monitor, _ = replay((losses, grad_norms))
-    spiked_monitor, events = replay((losses, grad_norms), fault=lambda s, m: {**m, "loss": m["loss"] * 10} if s == at else m)
+    spiked_monitor, events = replay(
+        (losses, grad_norms), fault=lambda s, m: {**m, "loss": m["loss"] * 10} if s == at else m
+    )
     assert [e.step for e in events] == [at]
     # the spike step contributed nothing: both histories are the clean run minus step `at`
     clean_hist = clean_monitor.state_dict()["history"]["loss"]
@@ -193,8 +199,9 @@ def test_ceiling_and_direction():
 
 # --- actions ----------------------------------------------------------------------------------------------------
 def test_lr_backoff_window_and_escalation():
-    cfg = SpikeMonitorConfig(metrics=("loss",), action="lr_backoff", lr_backoff_factor=0.25, lr_backoff_steps=5,
-                             max_consecutive=2)  # fmt: skip
+    cfg = SpikeMonitorConfig(
+        metrics=("loss",), action="lr_backoff", lr_backoff_factor=0.25, lr_backoff_steps=5, max_consecutive=2
+    )
     monitor = SpikeMonitor(cfg)
     for step in range(1, 31):
         monitor.observe(step, {"loss": 2.0 + 0.01 * (step % 2)})
@@ -289,7 +296,8 @@ def test_rollback_restores_and_skips_the_window(runs):
 
     meta = checkpoint.read_meta(checkpoint.latest(run.dir / "checkpoints"))
     assert meta["step"] == 40 and meta["x_monitor"]["rollbacks"] == [
-        {"event_step": K_ROLLBACK, "restore_step": 20, "skip_first": K_ROLLBACK - 1, "skip_last": K_ROLLBACK}]
+        {"event_step": K_ROLLBACK, "restore_step": 20, "skip_first": K_ROLLBACK - 1, "skip_last": K_ROLLBACK}
+    ]
     s = run.summary()
     assert s["steps"] == 40 and s["spikes"] == 1 and s["diverged"] is False
 
@@ -315,7 +323,11 @@ def test_faults_validate():
         Fault(3, "melt")
     inj = FaultInjector([Fault.from_dict({"step": 5, "kind": "scale_lr", "factor": 100.0})])
     assert inj.lr_scale(5) == 100.0 and inj.lr_scale(6) == 1.0 and inj.lr_scale(5) == 1.0  # fires once
-    batch = {"tokens": torch.arange(12).view(2, 6), "labels": torch.arange(1, 13).view(2, 6), "loss_mask": torch.ones(2, 6)}
+    batch = {
+        "tokens": torch.arange(12).view(2, 6),
+        "labels": torch.arange(1, 13).view(2, 6),
+        "loss_mask": torch.ones(2, 6),
+    }
     inj = FaultInjector([Fault(7, "corrupt_batch")])
     assert inj.batches(6, [batch], 50)[0]["tokens"] is batch["tokens"]
     (bad,) = inj.batches(7, [batch], 50)
@@ -329,15 +341,22 @@ def test_faults_validate():
     [
         ({"spike": {"treshold": 3}}, "monitor.spike.treshold is not a known key; allowed: abs_ceiling, action,"),
         ({"spikes": {}}, "monitor.spikes is not a known key; allowed: diagnostics, faults, spike"),
-        ({"faults": [{"step": 3, "kind": "nan_grad", "strength": 2}]},
-         "monitor.faults[0].strength is not a known key; allowed: factor, kind, step"),
-        ({"faults": [{"step": 3, "kind": "nan_grad"}, {"step": 4, "kind": "melt"}]},
-         "monitor.faults[1].kind='melt' is not one of corrupt_batch, scale_loss, scale_lr, nan_grad"),
+        (
+            {"faults": [{"step": 3, "kind": "nan_grad", "strength": 2}]},
+            "monitor.faults[0].strength is not a known key; allowed: factor, kind, step",
+        ),
+        (
+            {"faults": [{"step": 3, "kind": "nan_grad"}, {"step": 4, "kind": "melt"}]},
+            "monitor.faults[1].kind='melt' is not one of corrupt_batch, scale_loss, scale_lr, nan_grad",
+        ),
         ({"faults": [{"kind": "nan_grad"}]}, "monitor.faults[0] needs a step"),
         ({"faults": {"step": 3}}, "monitor.faults must be a list of {step, kind, factor} mappings"),
         ({"diagnostics": {"every": 5}}, "monitor.diagnostics.every is not a known key; allowed: interval"),
         ({"diagnostics": {"interval": -1}}, "monitor.diagnostics.interval=-1 must be a non-negative integer"),
-        ({"spike": {"transform": {"gradnorm": "log"}}}, "monitor.spike.transform has 'gradnorm', which is not a watched"),
+        (
+            {"spike": {"transform": {"gradnorm": "log"}}},
+            "monitor.spike.transform has 'gradnorm', which is not a watched",
+        ),
         ({"spike": {"abs_ceiling": 3}}, "monitor.spike.abs_ceiling=3 must be a mapping of metric -> value"),
         ({"spike": {"enabled": "yes"}}, "monitor.spike.enabled='yes' must be true or false"),
         ("warn", "monitor must be a mapping, not 'warn'"),
@@ -351,8 +370,13 @@ def test_monitor_config_refuses_unknown_keys_at_every_level(section, message):
 
 def test_monitor_config_defaults_and_typed_values():
     assert MonitorConfig.from_dict(None) == MonitorConfig.from_dict({}) == MonitorConfig()
-    cfg = MonitorConfig.from_dict({"spike": {"action": "skip", "metrics": ["loss"]}, "diagnostics": {"interval": 5},
-                                   "faults": [{"step": 3, "kind": "scale_loss", "factor": 10}]})  # fmt: skip
+    cfg = MonitorConfig.from_dict(
+        {
+            "spike": {"action": "skip", "metrics": ["loss"]},
+            "diagnostics": {"interval": 5},
+            "faults": [{"step": 3, "kind": "scale_loss", "factor": 10}],
+        }
+    )
     assert cfg.spike.action == "skip" and cfg.spike.metrics == ("loss",) and cfg.diagnostics.interval == 5
     assert cfg.faults == (Fault(3, "scale_loss", 10.0),)
 

@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
+
 from helpers.slurm_harness import SlurmHarness, cluster_mod
 
 

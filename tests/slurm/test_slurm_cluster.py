@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from helpers.slurm_harness import REPO, STAND_IN
 
 pytestmark = pytest.mark.slurm
@@ -51,7 +52,11 @@ def test_two_nodes_four_ranks(slurm, tmp_path: Path) -> None:
     assert sorted(got) == [(0, 0), (0, 1), (0, 2), (0, 3)]
     by_rank = [got[(0, r)] for r in range(4)]
     assert [(d["rank"], d["node_rank"], d["slurm_nodeid"], d["local_rank"]) for d in by_rank] == [
-        (0, 0, "0", 0), (1, 0, "0", 1), (2, 1, "1", 0), (3, 1, "1", 1)]
+        (0, 0, "0", 0),
+        (1, 0, "0", 1),
+        (2, 1, "1", 0),
+        (3, 1, "1", 1),
+    ]
     assert {d["world_size"] for d in by_rank} == {4}
     assert {d["source"] for d in by_rank} == {"srun"}
     assert all(d["sums"] == [10, 14, 18, 22] for d in by_rank)  # sum of (rank + 1 + step) over 4 ranks
@@ -92,14 +97,17 @@ def test_killed_rank_fails_step_and_job_resumes(slurm, tmp_path: Path) -> None:
     """(c) rank 2 is SIGKILLed at step 4 on the first attempt: the step fails, the job requeues and resumes."""
     steps = 10
     req = slurm.request("killrank")
-    job = slurm.submit(req, tmp_path, [f"out={tmp_path}", f"steps={steps}", "step_time=0.05",
-                                       "kill_rank=2", "kill_step=4"])
+    job = slurm.submit(
+        req, tmp_path, [f"out={tmp_path}", f"steps={steps}", "step_time=0.05", "kill_rank=2", "kill_step=4"]
+    )
     info = slurm.wait(job)
     log = slurm.log(tmp_path, req, job)
     assert info["JobState"] == "COMPLETED", log
     assert info["Restarts"] == "1"
     assert "task 2: Killed" in log  # srun saw the rank die ...
-    assert "step failed (exit code" in log and "Killed); requeueing job" in log  # ... and --kill-on-bad-exit ended the step
+    assert (
+        "step failed (exit code" in log and "Killed); requeueing job" in log
+    )  # ... and --kill-on-bad-exit ended the step
     got = records(tmp_path)
     assert sorted(got) == [(1, r) for r in range(4)]  # the first attempt never finished on any rank
     assert {got[(1, r)]["start_step"] for r in range(4)} == {4}  # resumed from the last checkpoint (steps 0-3 done)
@@ -134,8 +142,10 @@ def test_same_reason_stops_without_progress_file(slurm, tmp_path: Path) -> None:
     log = slurm.log(tmp_path, req, job)
     assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("FAILED", "1", "1:0"), log
     assert log.count("task 3: Exited with exit code 7") == 2
-    assert ("megagate-slurm: giving up: the training step failed 2 times the same way (Exited with exit code 7); "
-            "not requeueing") in log
+    assert (
+        "megagate-slurm: giving up: the training step failed 2 times the same way (Exited with exit code 7); "
+        "not requeueing"
+    ) in log
 
 
 def test_restart_limit(slurm, tmp_path: Path) -> None:
@@ -147,8 +157,10 @@ def test_restart_limit(slurm, tmp_path: Path) -> None:
     log = slurm.log(tmp_path, req, job)
     assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("FAILED", "0", "1:0"), log
     assert "task 3: Exited with exit code 7" in log
-    assert ("megagate-slurm: giving up: step failed (exit code 143: Exited with exit code 7), and the job already "
-            "restarted 0 times (max_restarts=0); not requeueing") in log
+    assert (
+        "megagate-slurm: giving up: step failed (exit code 143: Exited with exit code 7), and the job already "
+        "restarted 0 times (max_restarts=0); not requeueing"
+    ) in log
 
 
 def test_torchrun_launcher_signal_and_resume(slurm, tmp_path: Path) -> None:
@@ -179,10 +191,33 @@ def test_megagate_submit_cli(slurm, tmp_path: Path, monkeypatch, capsys) -> None
     monkeypatch.chdir(tmp_path)
     config = REPO / "slurm" / "examples" / "configs" / "tiny.yaml"
     # submit reads the config as the trainer does: the stand-in takes the trainer's keys for its output and steps
-    rc = cli.main(["submit", str(config), f"output.dir={tmp_path}", "train.train_steps=3", "train.warmup_steps=1",
-                   "--nodes", "2", "--gpus-per-node", "0", "--tasks-per-node", "2", "--time", "5:00",
-                   "--signal-lead", "60", "--master-addr", "127.0.0.1", "--python", sys.executable,
-                   "--command", str(STAND_IN), "--job-name", "cli"])
+    rc = cli.main(
+        [
+            "submit",
+            str(config),
+            f"output.dir={tmp_path}",
+            "train.train_steps=3",
+            "train.warmup_steps=1",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "0",
+            "--tasks-per-node",
+            "2",
+            "--time",
+            "5:00",
+            "--signal-lead",
+            "60",
+            "--master-addr",
+            "127.0.0.1",
+            "--python",
+            sys.executable,
+            "--command",
+            str(STAND_IN),
+            "--job-name",
+            "cli",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "# layout: TP=2 PP=1 CP=1 DP=2 world=4" in captured.out
@@ -206,13 +241,19 @@ def test_invalid_layout_is_not_submitted(slurm, tmp_path: Path, monkeypatch, cap
     before = slurm.job_ids()
     moe = str(REPO / "slurm" / "examples" / "configs" / "15a2b_moe.yaml")
     cases = [
-        ([moe, "--nodes", "8", "--gpus-per-node", "8", "parallel.expert_model_parallel_size=6"],
-         "parallel.expert_model_parallel_size (6) must divide model.num_experts (128)"),
-        ([moe, "--nodes", "3", "--gpus-per-node", "4", "parallel.pipeline_model_parallel_size=8"],
-         "world size 12 is not divisible by TP (1) x PP (8) x CP (1) = 8"),
-        ([moe, "--nodes", "1", "--gpus-per-node", "4"],
-         "parallel.expert_model_parallel_size (8) must divide DP (4) x CP (1) = 4: megatron's expert grid "
-         "ETP (1) x EP (8) x PP (1) = 8 must divide world size 4"),
+        (
+            [moe, "--nodes", "8", "--gpus-per-node", "8", "parallel.expert_model_parallel_size=6"],
+            "parallel.expert_model_parallel_size (6) must divide model.num_experts (128)",
+        ),
+        (
+            [moe, "--nodes", "3", "--gpus-per-node", "4", "parallel.pipeline_model_parallel_size=8"],
+            "world size 12 is not divisible by TP (1) x PP (8) x CP (1) = 8",
+        ),
+        (
+            [moe, "--nodes", "1", "--gpus-per-node", "4"],
+            "parallel.expert_model_parallel_size (8) must divide DP (4) x CP (1) = 4: megatron's expert grid "
+            "ETP (1) x EP (8) x PP (1) = 8 must divide world size 4",
+        ),
     ]
     for argv, message in cases:
         assert cli.main(["submit", *argv]) == 2
@@ -232,8 +273,9 @@ def test_sbatch_signal_timer(slurm, tmp_path: Path) -> None:
     """
     steps = 100
     req = slurm.request("timer", time="1", signal_lead_s=20)
-    job = slurm.submit(req, tmp_path, [f"out={tmp_path}", f"steps={steps}", "step_time=0.5",
-                                       "step_time_restarted=0.01"])
+    job = slurm.submit(
+        req, tmp_path, [f"out={tmp_path}", f"steps={steps}", "step_time=0.5", "step_time_restarted=0.01"]
+    )
     info = slurm.wait(job, timeout=240)
     log = slurm.log(tmp_path, req, job)
     assert info["JobState"] == "COMPLETED", log

@@ -29,8 +29,13 @@ CONFIG_15A2B = REPO / "slurm" / "examples" / "configs" / "15a2b_moe.yaml"
 
 
 def sizes(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, vpp: int | None = None) -> ParallelConfig:
-    return ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-                          expert_model_parallel_size=ep, virtual_pipeline_model_parallel_size=vpp)  # fmt: skip
+    return ParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        virtual_pipeline_model_parallel_size=vpp,
+    )
 
 
 # ---------------------------------------------------------------- layout (megagate.distributed.layout)
@@ -47,27 +52,49 @@ def test_layout_resolves_dp() -> None:
     lay = layout(sizes(tp=2, cp=2, ep=4), 8, micro_batch_size=1, global_batch_size=2, num_experts=8)
     assert (lay.dp, lay.expert_dp) == (2, 1)
     # The interleaved schedule takes micro-batches in groups of PP: 4 per step on PP=2 fits.
-    assert layout(sizes(pp=2, vpp=2), 2, micro_batch_size=1, global_batch_size=4).describe() == \
-        "TP=1 PP=2 CP=1 DP=1 VPP=2 world=2"
+    assert (
+        layout(sizes(pp=2, vpp=2), 2, micro_batch_size=1, global_batch_size=4).describe()
+        == "TP=1 PP=2 CP=1 DP=1 VPP=2 world=2"
+    )
 
 
 @pytest.mark.parametrize(
     "parallel, world, batch, experts, message",
     [
         (sizes(2, 4), 12, (1, 12), 0, "world size 12 is not divisible by TP (2) x PP (4) x CP (1) = 8"),
-        (sizes(), 4, (4, 8), 0,
-         "train.global_batch_size (8) must be divisible by micro_batch_size (4) x data-parallel size (4) = 16"),
+        (
+            sizes(),
+            4,
+            (4, 8),
+            0,
+            "train.global_batch_size (8) must be divisible by micro_batch_size (4) x data-parallel size (4) = 16",
+        ),
         (sizes(ep=6), 64, (1, 64), 128, "parallel.expert_model_parallel_size (6) must divide model.num_experts (128)"),
-        (sizes(tp=2, ep=8), 8, (1, 4), 64,
-         "parallel.expert_model_parallel_size (8) must divide DP (4) x CP (1) = 4: megatron's expert grid "
-         "ETP (2) x EP (8) x PP (1) = 16 must divide world size 8"),
-        (sizes(ep=2), 8, (1, 8), 0,
-         "parallel.expert_model_parallel_size (2) needs an MoE model (model.num_experts > 0)"),
+        (
+            sizes(tp=2, ep=8),
+            8,
+            (1, 4),
+            64,
+            "parallel.expert_model_parallel_size (8) must divide DP (4) x CP (1) = 4: megatron's expert grid "
+            "ETP (2) x EP (8) x PP (1) = 16 must divide world size 8",
+        ),
+        (
+            sizes(ep=2),
+            8,
+            (1, 8),
+            0,
+            "parallel.expert_model_parallel_size (2) needs an MoE model (model.num_experts > 0)",
+        ),
         (sizes(tp=0), 8, (1, 8), 0, "parallel.tensor_model_parallel_size=0 must be >= 1"),
         (sizes(), 0, (1, 8), 0, "world size 0 must be a positive integer"),
-        (sizes(pp=2, vpp=2), 2, (1, 3), 0,
-         "train.global_batch_size (3) gives 3 micro-batches per step; the interleaved pipeline schedule "
-         "(virtual_pipeline_model_parallel_size=2) needs a multiple of pipeline_model_parallel_size (2)"),
+        (
+            sizes(pp=2, vpp=2),
+            2,
+            (1, 3),
+            0,
+            "train.global_batch_size (3) gives 3 micro-batches per step; the interleaved pipeline schedule "
+            "(virtual_pipeline_model_parallel_size=2) needs a multiple of pipeline_model_parallel_size (2)",
+        ),
     ],
 )
 def test_layout_errors(parallel, world, batch, experts, message) -> None:
@@ -112,11 +139,17 @@ def test_request_validation(kwargs, fragment: str) -> None:
 def test_check_job_reads_the_config_as_the_trainer(tmp_path: Path) -> None:
     cfg, lay = check_job(SlurmRequest(nodes=8, gpus_per_node=8), str(CONFIG_15A2B), [])
     p = cfg.parallel
-    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
-            p.expert_model_parallel_size, cfg.model.num_experts) == (1, 1, 1, 8, 128)  # fmt: skip
+    assert (
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        p.context_parallel_size,
+        p.expert_model_parallel_size,
+        cfg.model.num_experts,
+    ) == (1, 1, 1, 8, 128)
     assert (lay.dp, lay.num_microbatches, cfg.train.precision) == (64, 8, "bf16")
-    cfg, lay = check_job(SlurmRequest(nodes=8, gpus_per_node=8), str(CONFIG_15A2B),
-                         ["parallel.tensor_model_parallel_size=2"])  # fmt: skip
+    cfg, lay = check_job(
+        SlurmRequest(nodes=8, gpus_per_node=8), str(CONFIG_15A2B), ["parallel.tensor_model_parallel_size=2"]
+    )
     assert (cfg.parallel.tensor_model_parallel_size, lay.dp, lay.ep) == (2, 32, 8)
     request = SlurmRequest(nodes=8, gpus_per_node=8)
     # A key the trainer does not know is refused, not ignored.
@@ -138,15 +171,23 @@ def test_container_jobs_leave_machine_checks_to_the_ranks(tmp_path: Path, monkey
     from megagate import cli
 
     monkeypatch.chdir(tmp_path)
-    machine = ["train.precision=fp8", "data.mock=false", "data.blend=[/lustre/data/web_text_document]",
-               "data.tokenizer=/lustre/tokenizers/qwen3/tokenizer.json"]  # fmt: skip
+    machine = [
+        "train.precision=fp8",
+        "data.mock=false",
+        "data.blend=[/lustre/data/web_text_document]",
+        "data.tokenizer=/lustre/tokenizers/qwen3/tokenizer.json",
+    ]
     argv = ["submit", str(CONFIG_15A2B), *machine, "--nodes", "8", "--gpus-per-node", "8", "--dry-run"]
     assert cli.main(argv) == 2
-    assert capsys.readouterr().err == ("megagate submit: error: train.precision='fp8' needs Transformer Engine, which "
-                                       "is not installed; use bf16 or fp32\n")  # fmt: skip
+    assert capsys.readouterr().err == (
+        "megagate submit: error: train.precision='fp8' needs Transformer Engine, which "
+        "is not installed; use bf16 or fp32\n"
+    )
     assert cli.main([*argv, "train.precision=bf16"]) == 2
-    assert capsys.readouterr().err == ("megagate submit: error: data.blend: missing data file "
-                                       "'/lustre/data/web_text_document.bin' (preprocess with `megagate preprocess`)\n")
+    assert capsys.readouterr().err == (
+        "megagate submit: error: data.blend: missing data file "
+        "'/lustre/data/web_text_document.bin' (preprocess with `megagate preprocess`)\n"
+    )
     assert cli.main([*argv, "--container-image", "nvcr.io#nvidia/pytorch:25.01-py3"]) == 0
     assert "train.precision=fp8" in capsys.readouterr().out
     # what is no property of the machine is still refused with an image
@@ -172,11 +213,33 @@ def _dry_run(capsys, argv: list[str]) -> str:
 
 def test_dry_run_15a2b_8x8(capsys, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # nothing may be written by a dry run
-    script = _dry_run(capsys, [str(CONFIG_15A2B), "--nodes", "8", "--gpus-per-node", "8", "--partition", "gpu",
-                               "--account", "proj", "--time", "12:00:00", "--signal-lead", "900",
-                               "--container-image", "nvcr.io#nvidia/pytorch:25.01-py3",
-                               "--container-mounts", "/lustre:/lustre,/scratch:/scratch",
-                               "--env", "NCCL_SOCKET_IFNAME=ib0", "--env", "NCCL_IB_TIMEOUT=", "--dry-run"])
+    script = _dry_run(
+        capsys,
+        [
+            str(CONFIG_15A2B),
+            "--nodes",
+            "8",
+            "--gpus-per-node",
+            "8",
+            "--partition",
+            "gpu",
+            "--account",
+            "proj",
+            "--time",
+            "12:00:00",
+            "--signal-lead",
+            "900",
+            "--container-image",
+            "nvcr.io#nvidia/pytorch:25.01-py3",
+            "--container-mounts",
+            "/lustre:/lustre,/scratch:/scratch",
+            "--env",
+            "NCCL_SOCKET_IFNAME=ib0",
+            "--env",
+            "NCCL_IB_TIMEOUT=",
+            "--dry-run",
+        ],
+    )
     lines = script.splitlines()
     assert lines[0] == "#!/bin/bash"
     sbatch = [line for line in lines if line.startswith("#SBATCH")]
@@ -194,14 +257,19 @@ def test_dry_run_15a2b_8x8(capsys, tmp_path: Path, monkeypatch) -> None:
         "#SBATCH --requeue",
     ]
     assert "# layout: TP=1 PP=1 CP=1 DP=64 EP=8 ETP=1 expert-DP=8 experts=128 world=64" in lines
-    for knob in ("export CUDA_DEVICE_MAX_CONNECTIONS=1", "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
-                 "export NCCL_SOCKET_IFNAME=ib0", "unset NCCL_IB_TIMEOUT", "export PYTHONUNBUFFERED=1"):
+    for knob in (
+        "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+        "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+        "export NCCL_SOCKET_IFNAME=ib0",
+        "unset NCCL_IB_TIMEOUT",
+        "export PYTHONUNBUFFERED=1",
+    ):
         assert knob in lines
     step = [line.strip() for line in lines if line.strip().startswith("srun ")]
     assert step == [
         "srun --kill-on-bad-exit=1 --container-image='nvcr.io#nvidia/pytorch:25.01-py3' "
         "--container-mounts=/lustre:/lustre,/scratch:/scratch --ntasks-per-node=8 python -m megagate train "
-        f"--config {CONFIG_15A2B} \"${{SWEEP_ARGS[@]}}\" 2> >(tee -a \"$STEP_ERR\" >&2) &"
+        f'--config {CONFIG_15A2B} "${{SWEEP_ARGS[@]}}" 2> >(tee -a "$STEP_ERR" >&2) &'
     ]
     assert 'kill -s USR1 "$step_pid"' in script and "trap on_warning USR1" in script
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script
@@ -217,10 +285,12 @@ def test_torchrun_variant(tmp_path: Path) -> None:
     assert "#SBATCH --ntasks-per-node=1" in script
     assert "#SBATCH --cpus-per-task=32" in script  # the node's torchrun gets the CPUs of its 8 ranks
     assert "source /opt/venv/bin/activate" in script
-    assert ('srun --kill-on-bad-exit=1 --cpus-per-task=32 --ntasks-per-node=1 python -m torch.distributed.run '
-            '--nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=8 --rdzv-backend=c10d '
-            '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 '
-            '-m megagate train --config c.yaml') in script
+    assert (
+        "srun --kill-on-bad-exit=1 --cpus-per-task=32 --ntasks-per-node=1 python -m torch.distributed.run "
+        '--nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=8 --rdzv-backend=c10d '
+        '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 '
+        "-m megagate train --config c.yaml"
+    ) in script
     assert 'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
     assert 'scancel --signal=TERM "$SLURM_JOB_ID"' in script  # torchrun forwards TERM, not USR1
     assert "SIGNAL_EXIT_OK=1" in script
@@ -237,8 +307,12 @@ def test_array_and_sweep(tmp_path: Path) -> None:
     # The sweep case statement hands each array task its own overrides.
     for task, expected in (("0", "lr=1"), ("1", "lr=2|name=it's")):
         block = script.split("# ---- sweep")[1].split("# ---- requeue")[0]
-        out = subprocess.run(["bash", "-c", "case x in x) ;; esac\n" + "# ----" + block + '\nIFS="|"; echo "${SWEEP_ARGS[*]}"'],
-                             env={"SLURM_ARRAY_TASK_ID": task}, capture_output=True, text=True)
+        out = subprocess.run(
+            ["bash", "-c", "case x in x) ;; esac\n" + "# ----" + block + '\nIFS="|"; echo "${SWEEP_ARGS[*]}"'],
+            env={"SLURM_ARRAY_TASK_ID": task},
+            capture_output=True,
+            text=True,
+        )
         assert out.stdout.strip() == expected
     with pytest.raises(ConfigError, match="sweep is empty"):
         render_batch_script(req, ["t.py"], sweep=[])
@@ -273,11 +347,14 @@ def test_cli_refuses_bad_layout_in_one_line(tmp_path: Path, monkeypatch, capsys)
     from megagate import cli
 
     monkeypatch.chdir(tmp_path)
-    rc = cli.main(["submit", str(CONFIG_15A2B), "--nodes", "8", "--gpus-per-node", "8",
-                   "parallel.expert_model_parallel_size=6"])
+    rc = cli.main(
+        ["submit", str(CONFIG_15A2B), "--nodes", "8", "--gpus-per-node", "8", "parallel.expert_model_parallel_size=6"]
+    )
     err = capsys.readouterr().err
     assert rc == 2
-    assert err == "megagate submit: error: parallel.expert_model_parallel_size (6) must divide model.num_experts (128)\n"
+    assert (
+        err == "megagate submit: error: parallel.expert_model_parallel_size (6) must divide model.num_experts (128)\n"
+    )
     assert list(tmp_path.iterdir()) == []  # refused before anything was written or submitted
 
 
@@ -285,26 +362,50 @@ def test_cli_refuses_bad_layout_in_one_line(tmp_path: Path, monkeypatch, capsys)
     "srun_errors, progress, reason, key",
     [
         # A peer's gloo error (exit 1) reported before the culprit's exit 3: the culprit still names the failure.
-        (["node2: task 2: Exited with exit code 1", "node1: task 0: Terminated",
-          "node1: task 1: Exited with exit code 3", "node2: task 3: Exited with exit code 1"], None,
-         "Exited with exit code 3", "Exited with exit code 3"),
-        (["node1: tasks 0-1: Terminated", "node2: task 2: Killed", "node2: task 3: Exited with exit code 1"], None,
-         "Killed", "Killed"),
+        (
+            [
+                "node2: task 2: Exited with exit code 1",
+                "node1: task 0: Terminated",
+                "node1: task 1: Exited with exit code 3",
+                "node2: task 3: Exited with exit code 1",
+            ],
+            None,
+            "Exited with exit code 3",
+            "Exited with exit code 3",
+        ),
+        (
+            ["node1: tasks 0-1: Terminated", "node2: task 2: Killed", "node2: task 3: Exited with exit code 1"],
+            None,
+            "Killed",
+            "Killed",
+        ),
         # A slow peer SIGKILLed by Slurm after KillWait is collateral; the culprit's exit code 7 names the failure.
-        (["node2: task 3: Exited with exit code 7", "node1: task 1: Terminated", "node1: task 0: Killed"], None,
-         "Exited with exit code 7", "Exited with exit code 7"),
-        (["node1: task 0: Segmentation fault", "node2: tasks 2-3: Killed", "node1: task 1: Exited with exit code 1"],
-         None, "Segmentation fault", "Segmentation fault"),
+        (
+            ["node2: task 3: Exited with exit code 7", "node1: task 1: Terminated", "node1: task 0: Killed"],
+            None,
+            "Exited with exit code 7",
+            "Exited with exit code 7",
+        ),
+        (
+            ["node1: task 0: Segmentation fault", "node2: tasks 2-3: Killed", "node1: task 1: Exited with exit code 1"],
+            None,
+            "Segmentation fault",
+            "Segmentation fault",
+        ),
         # With a progress file the key is the checkpoint, whatever srun reported first.
-        (["node1: task 0: Exited with exit code 1", "node2: tasks 2-3: Terminated"], '{"step": 7}\n',
-         "Exited with exit code 1", 'no progress past checkpoint {"step": 7}'),
+        (
+            ["node1: task 0: Exited with exit code 1", "node2: tasks 2-3: Terminated"],
+            '{"step": 7}\n',
+            "Exited with exit code 1",
+            'no progress past checkpoint {"step": 7}',
+        ),
         (["node1: task 0: Aborted"], "missing", "Aborted", "no checkpoint written yet"),
         ([], None, "step exit code 143", "step exit code 143"),
     ],
 )
 def test_failure_reason_and_key(tmp_path: Path, srun_errors, progress, reason, key) -> None:
     script = render_batch_script(SlurmRequest(gpus_per_node=0, tasks_per_node=2), ["t.py"])
-    functions = script[script.index("failure_reason() {"):]
+    functions = script[script.index("failure_reason() {") :]
     functions = functions[: functions.index("\nif (( signalled ))")]
     err = tmp_path / "step.err"
     err.write_text("".join(f"srun: error: {line}\n" for line in srun_errors) + "other noise\n")
@@ -313,7 +414,10 @@ def test_failure_reason_and_key(tmp_path: Path, srun_errors, progress, reason, k
         progress_file = str(tmp_path / "progress")
         if progress != "missing":
             (tmp_path / "progress").write_text(progress)
-    out = subprocess.run(["bash", "-c", functions + '\nwhy=$(failure_reason 143); echo "$why"; failure_key "$why"'],
-                         capture_output=True, text=True,
-                         env={"STEP_ERR": str(err), "PROGRESS_FILE": progress_file, "PATH": os.environ["PATH"]})
+    out = subprocess.run(
+        ["bash", "-c", functions + '\nwhy=$(failure_reason 143); echo "$why"; failure_key "$why"'],
+        capture_output=True,
+        text=True,
+        env={"STEP_ERR": str(err), "PROGRESS_FILE": progress_file, "PATH": os.environ["PATH"]},
+    )
     assert out.stdout == f"{reason}\n{key}\n", out.stderr

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from helpers.slurm_harness import REPO
 from helpers.trainer_runs import (
     CHECKPOINT_INTERVAL,
@@ -36,7 +37,7 @@ from helpers.trainer_runs import (
     train_records,
     train_single,
     train_torchrun,
-    wait_lines,  # fmt: skip
+    wait_lines,
 )
 
 SLURM_TIMEOUT = 300
@@ -70,9 +71,31 @@ def submit(slurm, workdir: Path, job_name: str, out: Path, demo_dir: Path, monke
     for key in ("SLURM_CONF", "PYTHONPATH", "PATH"):
         monkeypatch.setenv(key, slurm.env[key])
     monkeypatch.chdir(workdir)
-    rc = cli.main(["submit", str(CONFIG), *overrides(demo_dir, out), "--nodes", "2", "--gpus-per-node", "0",
-                   "--tasks-per-node", "2", "--time", "10:00", "--signal-lead", "60", "--master-addr", "127.0.0.1",
-                   "--python", sys.executable, "--env", "GLOO_SOCKET_IFNAME=lo", "--job-name", job_name])  # fmt: skip
+    rc = cli.main(
+        [
+            "submit",
+            str(CONFIG),
+            *overrides(demo_dir, out),
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "0",
+            "--tasks-per-node",
+            "2",
+            "--time",
+            "10:00",
+            "--signal-lead",
+            "60",
+            "--master-addr",
+            "127.0.0.1",
+            "--python",
+            sys.executable,
+            "--env",
+            "GLOO_SOCKET_IFNAME=lo",
+            "--job-name",
+            job_name,
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "# layout: TP=2 PP=1 CP=1 DP=2 world=4" in captured.out
@@ -120,8 +143,9 @@ def test_trainer_slurm_job_matches_torchrun(slurm, reference: Reference, tmp_pat
 
 
 @pytest.mark.slurm
-def test_trainer_killed_rank_and_warning_signal_resume(slurm, reference: Reference, tmp_path: Path, monkeypatch,
-                                                       capsys) -> None:  # fmt: skip
+def test_trainer_killed_rank_and_warning_signal_resume(
+    slurm, reference: Reference, tmp_path: Path, monkeypatch, capsys
+) -> None:
     """(2) + (3) in one job (one launch less: each costs ~20-40 s of imports and setup on 2 cores).
 
     Launch 1: rank 2 is SIGKILLed after step 5 -> the step fails -> requeue. Launch 2 resumes from the latest
@@ -147,8 +171,10 @@ def test_trainer_killed_rank_and_warning_signal_resume(slurm, reference: Referen
     assert "task 2: Killed" in log and "Killed); requeueing job" in log  # srun saw the rank die, the step failed
     assert "caught SIGUSR1" in log and "checkpointed and exited after the warning signal" in log
     assert log.count("requeueing job") == 2 and log.count("training step finished (exit 0)") == 1
-    resumes = [(int(a), int(b)) for a, b in re.findall(
-        rf"resumed from {re.escape(str(out))}/checkpoints/iter_(\d{{7}}) at step (\d+) ", log)]  # fmt: skip
+    resumes = [
+        (int(a), int(b))
+        for a, b in re.findall(rf"resumed from {re.escape(str(out))}/checkpoints/iter_(\d{{7}}) at step (\d+) ", log)
+    ]
     stops = [int(s) for s in re.findall(r"stopped at step (\d+) \(signal\)", log)]
     assert len(resumes) == 2 and all(a == b for a, b in resumes) and len(stops) == 1, (resumes, stops)
     (resumed, _), (resumed2, _) = resumes
@@ -165,9 +191,11 @@ def test_trainer_killed_rank_and_warning_signal_resume(slurm, reference: Referen
     logged = first + second + third
     assert logged == [(s, want[s]) for s, _ in logged]  # bit-identical, steps trained twice included
     n = assert_same_final_state(out, reference.torchrun)
-    print(f"rank 2 killed after step {killed_at} (requeued {t_requeued:.1f} s after submit), resumed at {resumed}; "
-          f"USR1 after step {resumed_seen}, stopped at {stopped}, resumed, finished: {elapsed:.1f} s submit -> "
-          f"COMPLETED; {len(logged)} losses and {n} tensors bit-identical")
+    print(
+        f"rank 2 killed after step {killed_at} (requeued {t_requeued:.1f} s after submit), resumed at {resumed}; "
+        f"USR1 after step {resumed_seen}, stopped at {stopped}, resumed, finished: {elapsed:.1f} s submit -> "
+        f"COMPLETED; {len(logged)} losses and {n} tensors bit-identical"
+    )
 
 
 # --- model.preset in `megagate submit` (no cluster) -----------------------------------------------------------------
@@ -185,8 +213,10 @@ def test_trainer_preset_sets_submit_expert_count(tmp_path: Path, monkeypatch, ca
     from megagate.slurm import SlurmRequest, check_job
 
     config = tmp_path / "moe.yaml"
-    config.write_text("model:\n  preset: 15a2b-moe\nparallel:\n  expert_model_parallel_size: 8\n"
-                      "train: {micro_batch_size: 1, global_batch_size: 64}\ndata: {mock: true}\n")  # fmt: skip
+    config.write_text(
+        "model:\n  preset: 15a2b-moe\nparallel:\n  expert_model_parallel_size: 8\n"
+        "train: {micro_batch_size: 1, global_batch_size: 64}\ndata: {mock: true}\n"
+    )
     request = SlurmRequest(nodes=8, gpus_per_node=8)
     cfg, lay = check_job(request, str(config), [])
     assert (cfg.model.num_experts, lay.ep, lay.expert_dp) == (128, 8, 8)
@@ -200,14 +230,22 @@ def test_trainer_preset_sets_submit_expert_count(tmp_path: Path, monkeypatch, ca
     assert rc == 0, err
     assert "# layout: TP=1 PP=1 CP=1 DP=64 EP=8 ETP=1 expert-DP=8 experts=128 world=64" in out
     cases = [
-        ([str(config), "--nodes", "8", "--gpus-per-node", "8", "parallel.expert_model_parallel_size=6"],
-         "parallel.expert_model_parallel_size (6) must divide model.num_experts (128)"),
-        ([str(config), "--nodes", "8", "--gpus-per-node", "8", "model.preset=tiny-moe"],
-         "parallel.expert_model_parallel_size (8) must divide model.num_experts (4)"),
-        ([str(CONFIG), "--nodes", "1", "--gpus-per-node", "2", "parallel.expert_model_parallel_size=2"],
-         "parallel.expert_model_parallel_size (2) needs an MoE model (model.num_experts > 0)"),
-        ([str(config), "--nodes", "8", "--gpus-per-node", "8", "model.preset=nope"],
-         "model preset 'nope' is unknown; known presets: 1.7b-28l, 1.7b-48l, 15a2b-moe, tiny, tiny-moe"),
+        (
+            [str(config), "--nodes", "8", "--gpus-per-node", "8", "parallel.expert_model_parallel_size=6"],
+            "parallel.expert_model_parallel_size (6) must divide model.num_experts (128)",
+        ),
+        (
+            [str(config), "--nodes", "8", "--gpus-per-node", "8", "model.preset=tiny-moe"],
+            "parallel.expert_model_parallel_size (8) must divide model.num_experts (4)",
+        ),
+        (
+            [str(CONFIG), "--nodes", "1", "--gpus-per-node", "2", "parallel.expert_model_parallel_size=2"],
+            "parallel.expert_model_parallel_size (2) needs an MoE model (model.num_experts > 0)",
+        ),
+        (
+            [str(config), "--nodes", "8", "--gpus-per-node", "8", "model.preset=nope"],
+            "model preset 'nope' is unknown; known presets: 1.7b-28l, 1.7b-48l, 15a2b-moe, tiny, tiny-moe",
+        ),
     ]
     for argv, message in cases:
         rc, out, err = dry_run(monkeypatch, capsys, tmp_path, argv)

@@ -19,8 +19,13 @@ K = 5  # a x10 loss at step 5 makes the spike monitor roll back to the step-4 ch
 @pytest.fixture(scope="module")
 def hook_run(tmp_path_factory: pytest.TempPathFactory, session_demo_dir: Path) -> trainer_jobs.Run:
     section = {"spike": {"action": "rollback", "min_history": 3}, "faults": [{"step": K, "kind": "scale_loss"}]}
-    job = [*trainer_jobs.TINY, "train.train_steps=6", "checkpoint.interval=2", "logging.tensorboard=false",
-           "monitor=" + json.dumps(section)]  # fmt: skip
+    job = [
+        *trainer_jobs.TINY,
+        "train.train_steps=6",
+        "checkpoint.interval=2",
+        "logging.tensorboard=false",
+        "monitor=" + json.dumps(section),
+    ]
     run = trainer_jobs.run_jobs(tmp_path_factory, session_demo_dir, {"hooks": job}, hook_logs={"hooks"})["hooks"]
     assert run.rc == 0, run.log[-3000:]
     return run
@@ -72,8 +77,12 @@ def imports(module: str) -> set[str]:
             found |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("megagate")}
-    return {m for m in found if (PACKAGE.parent / (m.replace(".", "/") + ".py")).exists()
-            or (PACKAGE.parent / m.replace(".", "/") / "__init__.py").exists()}  # fmt: skip
+    return {
+        m
+        for m in found
+        if (PACKAGE.parent / (m.replace(".", "/") + ".py")).exists()
+        or (PACKAGE.parent / m.replace(".", "/") / "__init__.py").exists()
+    }
 
 
 def closure(module: str) -> set[str]:
@@ -86,9 +95,17 @@ def closure(module: str) -> set[str]:
     return seen - {module}
 
 
-@pytest.mark.parametrize("module", ["megagate.train.load", "megagate.commands.analyze", "megagate.monitor.analyze",
-                                    "megagate.monitor.report", "megagate.train.components",
-                                    "megagate.train.callbacks.base"])  # fmt: skip
+@pytest.mark.parametrize(
+    "module",
+    [
+        "megagate.train.load",
+        "megagate.commands.analyze",
+        "megagate.monitor.analyze",
+        "megagate.monitor.report",
+        "megagate.train.components",
+        "megagate.train.callbacks.base",
+    ],
+)
 def test_analysis_and_setup_do_not_import_the_loop(module: str) -> None:
     assert "megagate.train.trainer" not in closure(module)
 

@@ -19,17 +19,34 @@ CONFIG = str(ROOT / "examples" / "tiny_cpu.yaml")
         (["train.colour=red"], "train.colour is not a known key; allowed:"),
         (["train.micro_batch_size=two"], "train.micro_batch_size='two' must be an integer"),
         (["train.lr=[1]"], "train.lr=[1] must be a number"),
-        (["parallel.tensor_model_parallel_size=3"], "model.num_attention_heads (4) must be divisible by parallel.tensor_model_parallel_size (3)"),
-        (["train.global_batch_size=10", "--world-size", "2"], "train.global_batch_size (10) must be divisible by micro_batch_size (4) x data-parallel size (2) = 8"),
-        (["data.demo=false", "data.blend=[/nonexistent/corpus]", "data.tokenizer=t.json"], "data.blend: missing data file '/nonexistent/corpus.bin'"),
-        (["parallel.tensor_model_parallel_size=2", "--world-size", "3"], "world size 3 is not divisible by TP (2) x PP (1) x CP (1) = 2"),
-        (["model.gate.position=g5", "model.gate.granularity=headwise"], "gate.granularity='headwise' is invalid with gate.position='g5'"),
+        (
+            ["parallel.tensor_model_parallel_size=3"],
+            "model.num_attention_heads (4) must be divisible by parallel.tensor_model_parallel_size (3)",
+        ),
+        (
+            ["train.global_batch_size=10", "--world-size", "2"],
+            "train.global_batch_size (10) must be divisible by micro_batch_size (4) x data-parallel size (2) = 8",
+        ),
+        (
+            ["data.demo=false", "data.blend=[/nonexistent/corpus]", "data.tokenizer=t.json"],
+            "data.blend: missing data file '/nonexistent/corpus.bin'",
+        ),
+        (
+            ["parallel.tensor_model_parallel_size=2", "--world-size", "3"],
+            "world size 3 is not divisible by TP (2) x PP (1) x CP (1) = 2",
+        ),
+        (
+            ["model.gate.position=g5", "model.gate.granularity=headwise"],
+            "gate.granularity='headwise' is invalid with gate.position='g5'",
+        ),
         (["parallel.expert_model_parallel_size=2"], "needs an MoE model"),
         (["colours.x=1"], "colours is not a config section"),
         (["monitor.spike.treshold=3"], "monitor.spike.treshold is not a known key; allowed: abs_ceiling, action,"),
         (["monitor.faults=[{step: 3, kind: melt}]"], "monitor.faults[0].kind='melt' is not one of corrupt_batch,"),
-        (["monitor.faults=[{step: 3, kind: nan_grad, strength: 2}]"],
-         "monitor.faults[0].strength is not a known key; allowed: factor, kind, step"),
+        (
+            ["monitor.faults=[{step: 3, kind: nan_grad, strength: 2}]"],
+            "monitor.faults[0].strength is not a known key; allowed: factor, kind, step",
+        ),
         (["monitor.diagnostics.every=5"], "monitor.diagnostics.every is not a known key; allowed: interval"),
         (["monitor.alarm=1"], "monitor.alarm is not a known key; allowed: diagnostics, faults, spike"),
     ],
@@ -48,8 +65,22 @@ def test_fp8_without_te_refused(capsys):
 
 
 def test_real_process_exit_code_and_no_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "megagate", "train", "--config", CONFIG, "train.seq_length=100000",
-                           f"output.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megagate",
+            "train",
+            "--config",
+            CONFIG,
+            "train.seq_length=100000",
+            f"output.dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "train.seq_length (100000) exceeds model.max_sequence_length (128)" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -58,13 +89,28 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
 
 def test_monitor_typo_refused_before_anything_is_built(tmp_path):
     """A spike-monitor key typo stops a real launch at config reading: exit 2, one line, no run directory."""
-    proc = subprocess.run([sys.executable, "-m", "megagate", "train", "--config", CONFIG, "monitor.spike.treshold=3",
-                           f"output.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megagate",
+            "train",
+            "--config",
+            CONFIG,
+            "monitor.spike.treshold=3",
+            f"output.dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "megagate train: error: monitor.spike.treshold is not a known key; allowed: abs_ceiling, action, center_window, "
         "direction, enabled, lr_backoff_factor, lr_backoff_steps, max_consecutive, max_rollbacks, metric_thresholds, "
-        "metrics, min_history, rel_floor, rollback_skip_steps, threshold, transform, window"]  # fmt: skip
+        "metrics, min_history, rel_floor, rollback_skip_steps, threshold, transform, window"
+    ]
     assert not (tmp_path / "run").exists()
 
 
@@ -74,9 +120,26 @@ def test_missing_config_file(capsys):
 
 
 def test_dry_run_prints_the_plan(capsys):
-    assert main(["train", "--config", CONFIG, "--dry-run", "model.preset=15a2b-moe", "model.vocab_size=151936",
-                 "train.seq_length=4096", "model.max_sequence_length=4096", "parallel.expert_model_parallel_size=8",
-                 "train.global_batch_size=1024", "train.micro_batch_size=1", "--world-size", "64"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                CONFIG,
+                "--dry-run",
+                "model.preset=15a2b-moe",
+                "model.vocab_size=151936",
+                "train.seq_length=4096",
+                "model.max_sequence_length=4096",
+                "parallel.expert_model_parallel_size=8",
+                "train.global_batch_size=1024",
+                "train.micro_batch_size=1",
+                "--world-size",
+                "64",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "MoE 128 experts top-8" in out
     assert "world 64 = TP 1 x PP 1 x CP 1 x DP 64; EP 8" in out

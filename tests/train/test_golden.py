@@ -36,19 +36,36 @@ ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden" / "tiny_cpu_losses.json"
 CONFIG = "examples/tiny_cpu.yaml"
 GOLDEN_STEPS = 30
-OVERRIDES = [f"train.train_steps={GOLDEN_STEPS}", "logging.interval=1", "logging.tensorboard=false",
-             "checkpoint.interval=0"]  # fmt: skip
+OVERRIDES = [
+    f"train.train_steps={GOLDEN_STEPS}",
+    "logging.interval=1",
+    "logging.tensorboard=false",
+    "checkpoint.interval=0",
+]
 REGENERATE = ".venv/bin/python tests/train/test_golden.py --write"
 DEMO_VOCAB, DEMO_BYTES = 2048, 1_500_000  # the example's demo data (DataSection defaults)
 
 
 def run(out: Path, demo_dir: Path, *extra: str, threads: int = 1) -> dict[str, dict[str, float]]:
     """Train the golden run (plus `extra` overrides) in a fresh process; its train and validation losses."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "megagate", "train", "--config", CONFIG, *OVERRIDES, *extra,
-           f"data.demo_dir={demo_dir}", f"output.dir={out}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "megagate",
+        "train",
+        "--config",
+        CONFIG,
+        *OVERRIDES,
+        *extra,
+        f"data.demo_dir={demo_dir}",
+        f"output.dir={out}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -75,25 +92,36 @@ def max_difference(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]
 def test_tiny_cpu_losses_match_the_golden_file(tmp_path: Path, session_demo_dir: Path) -> None:
     golden = json.loads(GOLDEN.read_text())
     if fingerprint(session_demo_dir) != golden["corpus_sha256"]:
-        pytest.skip(f"this machine's demo corpus differs from the golden file's (Python {golden['python']}): "
-                    f"regenerate with `{REGENERATE}`")  # fmt: skip
+        pytest.skip(
+            f"this machine's demo corpus differs from the golden file's (Python {golden['python']}): "
+            f"regenerate with `{REGENERATE}`"
+        )
     ours = run(tmp_path, session_demo_dir)
     assert sorted(ours["train"], key=int) == [str(s) for s in range(1, GOLDEN_STEPS + 1)]
-    worst = max((abs(ours[split][step] - golden[split][step]), split, step) for split in ("train", "valid")
-                for step in golden[split])  # fmt: skip
+    worst = max(
+        (abs(ours[split][step] - golden[split][step]), split, step)
+        for split in ("train", "valid")
+        for step in golden[split]
+    )
     assert worst[0] <= golden["tolerance"], (
         f"{worst[1]} loss at step {worst[2]}: {ours[worst[1]][worst[2]]!r} vs golden {golden[worst[1]][worst[2]]!r} "
         f"(|diff| {worst[0]:.3g} > tolerance {golden['tolerance']:g}); if the change is intended: `{REGENERATE}`"
-    )  # fmt: skip
+    )
 
 
 # Mathematically the same run, another floating-point summation order: what another BLAS or CPU changes.
-REORDERINGS = {"OMP_NUM_THREADS 1 -> 2": ([], 2), "micro-batch 4 -> 2 (accumulation order)": (["train.micro_batch_size=2"], 1),
-               "micro-batch 4 -> 8 (accumulation order)": (["train.micro_batch_size=8"], 1)}  # fmt: skip
+REORDERINGS = {
+    "OMP_NUM_THREADS 1 -> 2": ([], 2),
+    "micro-batch 4 -> 2 (accumulation order)": (["train.micro_batch_size=2"], 1),
+    "micro-batch 4 -> 8 (accumulation order)": (["train.micro_batch_size=8"], 1),
+}
 # Real behaviour changes, the smallest ones a trainer or model change could plausibly make.
-CHANGES = {"train.lr 3e-3 -> 3.3e-3": ["train.lr=3.3e-3"], "train.warmup_steps 6 -> 7": ["train.warmup_steps=7"],
-           "gate g1-elementwise -> g1-headwise": ["model.gate.preset=g1-headwise"],
-           "gate g1-elementwise -> baseline": ["model.gate.preset=baseline"]}  # fmt: skip
+CHANGES = {
+    "train.lr 3e-3 -> 3.3e-3": ["train.lr=3.3e-3"],
+    "train.warmup_steps 6 -> 7": ["train.warmup_steps=7"],
+    "gate g1-elementwise -> g1-headwise": ["model.gate.preset=g1-headwise"],
+    "gate g1-elementwise -> baseline": ["model.gate.preset=baseline"],
+}
 TOLERANCE = 1e-4
 
 
@@ -107,10 +135,14 @@ def write(demo_dir: Path) -> None:
         t = Path(tmp)
         golden = run(t / "golden", demo_dir)
         assert max_difference(golden, run(t / "again", demo_dir)) == 0.0, "two identical runs differ"
-        reorder = {name: max_difference(golden, run(t / f"r{i}", demo_dir, *over, threads=threads))
-                   for i, (name, (over, threads)) in enumerate(REORDERINGS.items())}  # fmt: skip
-        changes = {name: max_difference(golden, run(t / f"c{i}", demo_dir, *over))
-                   for i, (name, over) in enumerate(CHANGES.items())}  # fmt: skip
+        reorder = {
+            name: max_difference(golden, run(t / f"r{i}", demo_dir, *over, threads=threads))
+            for i, (name, (over, threads)) in enumerate(REORDERINGS.items())
+        }
+        changes = {
+            name: max_difference(golden, run(t / f"c{i}", demo_dir, *over))
+            for i, (name, over) in enumerate(CHANGES.items())
+        }
     noise, smallest = max(reorder.values()), min(changes.values())
     assert noise * 10 <= TOLERANCE <= smallest / 10, f"the tolerance no longer separates them: {reorder} {changes}"
     data = {

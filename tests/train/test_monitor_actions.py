@@ -48,8 +48,11 @@ DIST_VARS = trainer_jobs.DIST_VARS
 
 def monitor(action: str, faults: list[dict] | None = None, **spike: Any) -> str:
     """A `monitor=` override: the shared spike settings (min_history 8) + action, diagnostics every 5, faults."""
-    section = {"spike": {"min_history": 8, "action": action, **spike}, "diagnostics": {"interval": DIAG_INTERVAL},
-               "faults": faults or []}  # fmt: skip
+    section = {
+        "spike": {"min_history": 8, "action": action, **spike},
+        "diagnostics": {"interval": DIAG_INTERVAL},
+        "faults": faults or [],
+    }
     return "monitor=" + json.dumps(section)  # JSON is YAML
 
 
@@ -59,12 +62,27 @@ def train_args(out: Path, demo_dir: Path, *overrides: str) -> list[str]:
 
 SCENARIOS: dict[str, list[str]] = {
     "clean": [*BASE, monitor("warn"), "checkpoint.interval=5"],
-    "skip": [*BASE, monitor("skip", [{"step": K_SKIP, "kind": "nan_grad"}]), "checkpoint.interval=1",
-             "checkpoint.keep_last=100"],  # fmt: skip
-    "rollback": [*BASE, monitor("rollback", [{"step": K_ROLLBACK, "kind": "scale_loss", "factor": 10}]),
-                 "checkpoint.interval=5", "checkpoint.keep_last=100"],  # fmt: skip
-    "lr_backoff": [*BASE, monitor("lr_backoff", [{"step": K_BACKOFF, "kind": "scale_loss", "factor": 10}],
-                                  lr_backoff_factor=BACKOFF_FACTOR, lr_backoff_steps=BACKOFF_STEPS)],  # fmt: skip
+    "skip": [
+        *BASE,
+        monitor("skip", [{"step": K_SKIP, "kind": "nan_grad"}]),
+        "checkpoint.interval=1",
+        "checkpoint.keep_last=100",
+    ],
+    "rollback": [
+        *BASE,
+        monitor("rollback", [{"step": K_ROLLBACK, "kind": "scale_loss", "factor": 10}]),
+        "checkpoint.interval=5",
+        "checkpoint.keep_last=100",
+    ],
+    "lr_backoff": [
+        *BASE,
+        monitor(
+            "lr_backoff",
+            [{"step": K_BACKOFF, "kind": "scale_loss", "factor": 10}],
+            lr_backoff_factor=BACKOFF_FACTOR,
+            lr_backoff_steps=BACKOFF_STEPS,
+        ),
+    ],
     # the default monitor (spike: warn at the default thresholds), 200 steps of seq 64 x batch 8
     "clean200": trainer_jobs.CLEAN_200,
 }
@@ -80,15 +98,29 @@ def _child_env() -> dict[str, str]:
 def runs(tmp_path_factory: pytest.TempPathFactory, session_demo_dir: Path) -> dict[str, Any]:
     """Run dirs of the 30-step scenarios (+ 'abort': the CompletedProcess-like result of the abort run)."""
     base = tmp_path_factory.mktemp("monitor-actions")
-    abort_args = train_args(base / "abort", session_demo_dir, *BASE, "logging.tensorboard=false",
-                            monitor("abort", [{"step": K_ABORT, "kind": "scale_loss", "factor": 10}]))  # fmt: skip
+    abort_args = train_args(
+        base / "abort",
+        session_demo_dir,
+        *BASE,
+        "logging.tensorboard=false",
+        monitor("abort", [{"step": K_ABORT, "kind": "scale_loss", "factor": 10}]),
+    )
     start = time.perf_counter()
-    abort = subprocess.Popen([sys.executable, "-m", "megagate", "train", *abort_args], cwd=ROOT, env=_child_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    abort = subprocess.Popen(
+        [sys.executable, "-m", "megagate", "train", *abort_args],
+        cwd=ROOT,
+        env=_child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     jobs = trainer_jobs.run_jobs(tmp_path_factory, session_demo_dir, SCENARIOS)
     stdout, stderr = abort.communicate(timeout=600)
-    result: dict[str, Any] = {"abort": subprocess.CompletedProcess(abort.args, abort.returncode, stdout, stderr),
-                              "abort_dir": base / "abort", "seconds": time.perf_counter() - start}  # fmt: skip
+    result: dict[str, Any] = {
+        "abort": subprocess.CompletedProcess(abort.args, abort.returncode, stdout, stderr),
+        "abort_dir": base / "abort",
+        "seconds": time.perf_counter() - start,
+    }
     for name, job in jobs.items():
         assert job.rc == 0, f"scenario {name} failed: rc {job.rc}\n{job.log[-4000:]}"
         result[name] = job.dir
@@ -108,8 +140,11 @@ def train_records(run_dir: Path) -> dict[int, dict]:
 
 
 def all_train_steps(run_dir: Path) -> list[int]:
-    return [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-            if r["split"] == "train"]  # fmt: skip
+    return [
+        r["step"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if r["split"] == "train"
+    ]
 
 
 def events(run_dir: Path) -> list[dict]:
@@ -156,8 +191,9 @@ def test_skip_nan_grad_keeps_weights_bit_identical(runs: dict, tmp_path: Path) -
     assert [records[s]["loss"] for s in range(1, K_SKIP + 1)] == [clean[s]["loss"] for s in range(1, K_SKIP + 1)]
     assert records[K_SKIP + 1]["loss"] != clean[K_SKIP + 1]["loss"]
     ckpts = run / "checkpoints"
-    before, at, after = (checkpoint_tensors(ckpts / f"iter_{s:07d}", tmp_path)
-                         for s in (K_SKIP - 1, K_SKIP, K_SKIP + 1))  # fmt: skip
+    before, at, after = (
+        checkpoint_tensors(ckpts / f"iter_{s:07d}", tmp_path) for s in (K_SKIP - 1, K_SKIP, K_SKIP + 1)
+    )
     assert before.keys() == at.keys() and len(model_tensors(at)) >= 9
     for key in at:  # model weights and Adam moments: nothing applied at the skipped step
         assert torch.equal(before[key], at[key]), key
@@ -224,7 +260,9 @@ def test_live_diagnostics_jsonl_and_tensorboard(runs: dict) -> None:
     run = runs["clean"]
     records = [json.loads(line) for line in (run / "diagnostics.jsonl").read_text().splitlines()]
     expected_steps = list(range(DIAG_INTERVAL, STEPS + 1, DIAG_INTERVAL))
-    assert sorted({(r["step"], r["layer"]) for r in records}) == [(s, layer) for s in expected_steps for layer in (0, 1)]
+    assert sorted({(r["step"], r["layer"]) for r in records}) == [
+        (s, layer) for s in expected_steps for layer in (0, 1)
+    ]
     for r in records:
         assert 0.0 < r["gate_score_mean"] < 1.0 and 0.0 <= r["gate_sparsity"] <= 1.0
         assert 0.0 < r["f_attn"] < 1.0
@@ -255,4 +293,3 @@ def test_clean_200_steps_raise_no_spike_event(runs: dict) -> None:
     assert not (run / "events.jsonl").exists() or (run / "events.jsonl").read_text() == ""
     assert summary(run)["spikes"] == 0 and summary(run)["diverged"] is False
     assert records[200]["loss"] < records[1]["loss"] - 1.5  # it trained (7.6 -> ~5.x)
-

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+
 from helpers import tiny_runs as T
 
 pytestmark = pytest.mark.slow
@@ -57,10 +58,21 @@ def test_stop_and_resume_is_bitwise_identical(reference, tmp_path, demo_dir):
 
 def test_kill_during_checkpoint_save_keeps_last_good(reference, tmp_path, demo_dir):
     """SIGKILL while step 8's checkpoint is being written: step 4's stays loadable and the rerun resumes from it."""
-    args = ["--config", str(T.CONFIG), *T.BASE, f"data.demo_dir={demo_dir}", f"output.dir={tmp_path}",
-            "checkpoint.interval=4"]  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "megagate", "train", *args], cwd=T.ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    args = [
+        "--config",
+        str(T.CONFIG),
+        *T.BASE,
+        f"data.demo_dir={demo_dir}",
+        f"output.dir={tmp_path}",
+        "checkpoint.interval=4",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megagate", "train", *args],
+        cwd=T.ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     partial = tmp_path / "checkpoints" / ".iter_0000008.tmp"
     deadline = time.time() + 300
     while not partial.exists() and proc.poll() is None and time.time() < deadline:
@@ -97,7 +109,12 @@ def test_parallel_layouts_match_single_process(reference, tmp_path, demo_dir, na
 
 @pytest.mark.distributed
 def test_ep2_moe_matches_ep1(tmp_path, demo_dir):
-    moe = ["model.preset=tiny-moe", "model.vocab_size=2048", "model.moe_aux_loss_coeff=0.0", "model.moe_z_loss_coeff=0.0"]
+    moe = [
+        "model.preset=tiny-moe",
+        "model.vocab_size=2048",
+        "model.moe_aux_loss_coeff=0.0",
+        "model.moe_z_loss_coeff=0.0",
+    ]
     T.run_train(tmp_path / "ep1", demo_dir, *moe)
     T.run_train(tmp_path / "ep2", demo_dir, *moe, "parallel.expert_model_parallel_size=2", nproc=2)
     ep1, ep2 = T.losses(tmp_path / "ep1"), T.losses(tmp_path / "ep2")
@@ -121,8 +138,14 @@ def test_interleaved_pp_matches_single_process(tmp_path, demo_dir):
     """PP=2 x VPP=2 (megatron's interleaved schedule, 4 layers, tied embeddings) equals one process."""
     four = ["model.num_layers=4", "train.train_steps=6"]
     T.run_train(tmp_path / "single", demo_dir, *four)
-    T.run_train(tmp_path / "vpp", demo_dir, *four, "parallel.pipeline_model_parallel_size=2",
-                "parallel.virtual_pipeline_model_parallel_size=2", nproc=2)  # fmt: skip
+    T.run_train(
+        tmp_path / "vpp",
+        demo_dir,
+        *four,
+        "parallel.pipeline_model_parallel_size=2",
+        "parallel.virtual_pipeline_model_parallel_size=2",
+        nproc=2,
+    )
     single, vpp = T.losses(tmp_path / "single"), T.losses(tmp_path / "vpp")
     assert sorted(single) == sorted(vpp) == list(range(1, 7))
     for step in single:

@@ -1,9 +1,9 @@
 """The Trainer's callbacks: the interface (`Callback`) and the built-in ones `megagate train` runs.
 
-    base.py      Callback: the hooks and their order
-    metrics.py   MetricsLogger (config.yaml, metrics.jsonl, TensorBoard, console), RunSummary (summary.json)
-    cadence.py   StopChecks (signals, wall time, exit_after_steps), Evaluation, Checkpointing
-    monitor.py   FaultInjection, SpikeMonitoring (skip / rollback / lr_backoff / abort), LiveDiagnostics
+base.py      Callback: the hooks and their order
+metrics.py   MetricsLogger (config.yaml, metrics.jsonl, TensorBoard, console), RunSummary (summary.json)
+cadence.py   StopChecks (signals, wall time, exit_after_steps), Evaluation, Checkpointing
+monitor.py   FaultInjection, SpikeMonitoring (skip / rollback / lr_backoff / abort), LiveDiagnostics
 """
 
 from __future__ import annotations
@@ -33,5 +33,16 @@ def default_callbacks(cfg: TrainConfig) -> list[Callback]:
     return callbacks + [Evaluation(), Checkpointing(), RunSummary()]
 
 
-__all__ = ["Callback", "Checkpointing", "Evaluation", "FaultInjection", "LiveDiagnostics", "MetricsLogger",
-           "RunSummary", "SpikeMonitoring", "StopChecks", "default_callbacks", "evaluate"]  # fmt: skip
+__all__ = [
+    "Callback",
+    "Checkpointing",
+    "Evaluation",
+    "FaultInjection",
+    "LiveDiagnostics",
+    "MetricsLogger",
+    "RunSummary",
+    "SpikeMonitoring",
+    "StopChecks",
+    "default_callbacks",
+    "evaluate",
+]

@@ -43,8 +43,12 @@ class Evaluation(Callback):
 
     def post_step(self, trainer: Trainer, output: StepOutput) -> None:
         t = trainer.cfg.train
-        if t.eval_interval and output.step % t.eval_interval == 0 and output.step < t.train_steps \
-                and trainer.stop_reason is None:  # fmt: skip
+        if (
+            t.eval_interval
+            and output.step % t.eval_interval == 0
+            and output.step < t.train_steps
+            and trainer.stop_reason is None
+        ):
             self._evaluate(trainer)
 
     def on_end(self, trainer: Trainer) -> None:
@@ -65,16 +69,22 @@ class Checkpointing(Callback):
     def post_step(self, trainer: Trainer, output: StepOutput) -> None:
         interval = trainer.cfg.checkpoint.interval
         # a stopping run saves once, in on_end
-        if interval and output.step % interval == 0 and output.step < trainer.cfg.train.train_steps \
-                and trainer.stop_reason is None:  # fmt: skip
+        if (
+            interval
+            and output.step % interval == 0
+            and output.step < trainer.cfg.train.train_steps
+            and trainer.stop_reason is None
+        ):
             trainer.save_checkpoint()
 
     def on_end(self, trainer: Trainer) -> None:
         if trainer.step > trainer.start_step:  # otherwise the latest checkpoint already holds this state (or none ran)
             trainer.save_checkpoint()
         if trainer.stop_reason is not None and trainer.error is None:
-            log(f"stopped at step {trainer.step} ({trainer.stop_reason}); checkpoint saved, resume by running the same "
-                f"command")  # fmt: skip
+            log(
+                f"stopped at step {trainer.step} ({trainer.stop_reason}); checkpoint saved, resume by running the same "
+                f"command"
+            )
 
 
 class StopChecks(Callback):

@@ -14,8 +14,11 @@ from megagate.train.metrics import Metrics
 if TYPE_CHECKING:
     from megagate.train.trainer import StepOutput, Trainer
 
-MOE_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
-                  "global_aux_loss": "global_load_balancing_loss"}  # fmt: skip
+MOE_LOSS_NAMES = {
+    "aux_loss": "load_balancing_loss",
+    "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
+}
 
 
 class MetricsLogger(Callback):
@@ -34,9 +37,15 @@ class MetricsLogger(Callback):
         if trainer.logging_rank:
             os.makedirs(cfg.output.dir, exist_ok=True)
             runfiles.write_atomic(os.path.join(cfg.output.dir, runfiles.CONFIG), _yaml(cfg.raw))
-        self.metrics = Metrics(cfg.output.dir, trainer.logging_rank, cfg.logging.tensorboard, t.train_steps,
-                               t.global_batch_size * t.seq_length, flops_per_token(cfg.model, t.seq_length),
-                               trainer.layout.world_size)  # fmt: skip
+        self.metrics = Metrics(
+            cfg.output.dir,
+            trainer.logging_rank,
+            cfg.logging.tensorboard,
+            t.train_steps,
+            t.global_batch_size * t.seq_length,
+            flops_per_token(cfg.model, t.seq_length),
+            trainer.layout.world_size,
+        )
 
     def post_step(self, trainer: Trainer, output: StepOutput) -> None:
         cfg = trainer.cfg
@@ -65,9 +74,14 @@ def moe_metrics(trainer: Trainer, step: int) -> dict[str, float]:
     names = [MOE_LOSS_NAMES[model.moe_load_balancing]] + (["z_loss"] if model.moe_z_loss_coeff else [])
     totals: dict[str, Any] = {}
     get_moe_metrics_tracker().report(
-        loss_scale=1.0 / trainer.layout.num_microbatches, iteration=step, track_names=names, force_initialize=True,
-        num_layers=model.num_layers, moe_layer_freq=1, total_loss_dict=totals,
-    )  # fmt: skip
+        loss_scale=1.0 / trainer.layout.num_microbatches,
+        iteration=step,
+        track_names=names,
+        force_initialize=True,
+        num_layers=model.num_layers,
+        moe_layer_freq=1,
+        total_loss_dict=totals,
+    )
     return {f"moe_{name}": float(value) for name, value in totals.items()}
 
 
@@ -89,8 +103,14 @@ class RunSummary(Callback):
         if trainer.error is not None:
             runfiles.write_summary(trainer.cfg.output.dir, trainer.step, last, None, True, aborted=True, **extra)
         else:
-            runfiles.write_summary(trainer.cfg.output.dir, trainer.step, last, s["final_valid_loss"],
-                                   runfiles.is_diverged(trainer.first_loss, s["final_loss"]), **extra)  # fmt: skip
+            runfiles.write_summary(
+                trainer.cfg.output.dir,
+                trainer.step,
+                last,
+                s["final_valid_loss"],
+                runfiles.is_diverged(trainer.first_loss, s["final_loss"]),
+                **extra,
+            )
 
 
 def _yaml(data: dict) -> str:

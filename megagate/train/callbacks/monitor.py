@@ -67,21 +67,28 @@ class SpikeMonitoring(Callback):
             self._rollback(trainer, step)
         elif action == "abort":
             update.skip()
-            trainer.stop("aborted by the spike monitor", SpikeAbort(
-                f"training aborted by the spike monitor at step {step} (loss {update.loss:.4g}, grad norm "
-                f"{update.grad_norm:.4g}); checkpoint saved in {trainer.checkpointer.root}"))  # fmt: skip
+            trainer.stop(
+                "aborted by the spike monitor",
+                SpikeAbort(
+                    f"training aborted by the spike monitor at step {step} (loss {update.loss:.4g}, grad norm "
+                    f"{update.grad_norm:.4g}); checkpoint saved in {trainer.checkpointer.root}"
+                ),
+            )
 
     def _rollback(self, trainer: Trainer, step: int) -> None:
         path = trainer.latest_checkpoint()
         if path is None:
-            raise SpikeAbort(f"spike at step {step} asks for a rollback, but {trainer.checkpointer.root} has no "
-                             f"checkpoint")  # fmt: skip
+            raise SpikeAbort(
+                f"spike at step {step} asks for a rollback, but {trainer.checkpointer.root} has no checkpoint"
+            )
         plan = self.monitor.rollback_plan(step, int(ckpt.read_meta(path)["step"]))
         meta = trainer.restore(path)
         saved = meta.get(f"x_{self.state_key}") or SpikeMonitor(self.monitor.config).state_dict()
         self.monitor.restore_after_rollback(saved, plan, step)
-        log(f"rollback: spike at step {step}; restored step {plan.restore_step} from {path}; "
-            f"dropping batches {plan.skip_first}-{plan.skip_last}")
+        log(
+            f"rollback: spike at step {step}; restored step {plan.restore_step} from {path}; "
+            f"dropping batches {plan.skip_first}-{plan.skip_last}"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return self.monitor.state_dict()
@@ -139,8 +146,9 @@ class LiveDiagnostics(Callback):
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             return  # the probe forward needs the whole model on this rank (PP=1)
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        diags = diagnostics.collect(trainer.model[0], self.probe["tokens"].to(device),
-                                    self.probe["position_ids"].to(device))  # fmt: skip
+        diags = diagnostics.collect(
+            trainer.model[0], self.probe["tokens"].to(device), self.probe["position_ids"].to(device)
+        )
         if trainer.logging_rank:
             if self.writer is not None:
                 diagnostics.log_to_tensorboard(self.writer, output.step, diags)
