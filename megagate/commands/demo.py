@@ -25,7 +25,7 @@ from typing import Any
 from megagate.errors import MegagateError
 from megagate.monitor import runfiles
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # megagate/commands/demo.py -> the checkout
 DEFAULT_CONFIG = REPO / "examples" / "tiny_cpu.yaml"
 DEFAULT_VARIANTS = ("baseline", "g1-elementwise")
 # 400 steps x 16 x 128 tokens: ~1 min per variant on 2 cores (measured: 2 variants, ~2.5 min in all; docs/demo.md)
