@@ -20,14 +20,11 @@ and check the layout for a world size with `layout` (megagate.distributed.layout
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import yaml
 
@@ -39,6 +36,7 @@ from megagate.model.config import ModelConfig, ParallelConfig
 from megagate.model.config import from_dict as model_from_dict
 from megagate.model.qkv_layout import check_tensor_parallel
 from megagate.monitor.config import MonitorConfig
+from megagate.sections import build_section, check_type
 from megagate.yamlfile import load_mapping
 
 PRECISIONS = ("fp32", "bf16", "fp8")
@@ -130,11 +128,6 @@ class TrainConfig:
 
 
 # --- loading -------------------------------------------------------------------------------------------------------
-def load_yaml(path: str) -> dict:
-    """The YAML mapping in `path` (ConfigError if missing, not YAML or not a mapping): megagate.yamlfile's reader."""
-    return load_mapping(path)
-
-
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply `a.b.c=value` overrides (values parsed as YAML) to a nested dict, returning a new dict."""
     import copy
@@ -159,64 +152,6 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def _check_type(value: Any, annotation: Any, path: str) -> Any:
-    origin = typing.get_origin(annotation)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(annotation)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _check_type(value, arg, path)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0])
-    if annotation is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}={value!r} must be true or false")
-        return value
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}={value!r} must be an integer")
-        return value
-    if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}={value!r} must be a number")
-        if not math.isfinite(value):  # YAML's .inf / .nan: no setting of the trainer means anything with them
-            raise ConfigError(f"{path}={value!r} must be a finite number")
-        return float(value)
-    if annotation is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}={value!r} must be a string")
-        return value
-    if annotation is list or origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{path}={value!r} must be a list")
-        return value
-    if annotation is dict or origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}={value!r} must be a mapping")
-        return value
-    return value
-
-
-def build_section(cls: type, values: Any, name: str) -> Any:
-    """A frozen dataclass section from a mapping, refusing unknown keys and wrong types."""
-    if values is None:
-        values = {}
-    if not isinstance(values, dict):
-        raise ConfigError(f"{name} must be a mapping, not {values!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise ConfigError(f"{name}.{unknown[0]} is not a known key; allowed: {', '.join(sorted(fields))}")
-    return cls(**{k: _check_type(v, hints[k], f"{name}.{k}") for k, v in values.items()})
-
-
 def _model(values: Any) -> ModelConfig:
     if not isinstance(values, dict):
         raise ConfigError(f"model must be a mapping with a preset, not {values!r}")
@@ -230,7 +165,7 @@ def _model(values: Any) -> ModelConfig:
     hints = typing.get_type_hints(ModelConfig)
     for key, value in values.items():
         if key in hints and key != "gate":
-            values[key] = _check_type(value, hints[key], f"model.{key}")
+            values[key] = check_type(value, hints[key], f"model.{key}")
     return model_from_dict(values, gate)
 
 
@@ -253,7 +188,7 @@ def from_dict(data: Mapping[str, Any], *, environment: bool = True) -> TrainConf
         logging=build_section(LoggingSection, data.get("logging"), "logging"),
         output=build_section(OutputSection, data.get("output"), "output"),
         monitor=MonitorConfig.from_dict(data.get("monitor")),
-        seed=_check_type(data.get("seed", 1234), int, "seed"),
+        seed=check_type(data.get("seed", 1234), int, "seed"),
         raw=dict(data),
     )
     validate(cfg, environment=environment)
@@ -262,7 +197,7 @@ def from_dict(data: Mapping[str, Any], *, environment: bool = True) -> TrainConf
 
 def load(path: str, overrides: list[str] | None = None, *, environment: bool = True) -> TrainConfig:
     """Load a YAML config, apply overrides and validate (`environment`: see `validate`)."""
-    return from_dict(apply_overrides(load_yaml(path), overrides or []), environment=environment)
+    return from_dict(apply_overrides(load_mapping(path), overrides or []), environment=environment)
 
 
 # --- validation --------------------------------------------------------------------------------------------------

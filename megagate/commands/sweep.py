@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megagate.errors import ConfigError
+from megagate.yamlfile import load_mapping
 
 TRAIN_COMMAND = (sys.executable, "-m", "megagate", "train")
 
@@ -163,7 +164,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megagate import config as config_mod
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     specs = expand_grid(args.overrides, args.lrs, variants, args.seeds, args.out)
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
             job_name="megagate-sweep",
             array=array,
         )
-    config_mod.load_yaml(args.config)  # a missing or broken file is one error, not one per grid point
+    load_mapping(args.config)  # a missing or broken file is one error, not one per grid point
     # local runs are single processes; each array task gets the request's nodes x GPUs ranks
     check_grid(specs, args.config, request.world_size if request is not None else 1)
     if args.dry_run:

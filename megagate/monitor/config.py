@@ -12,23 +12,15 @@ built. The trainer's callbacks (megagate.train.callbacks) carry the settings out
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from megagate.errors import ConfigError
 from megagate.monitor.faults import Fault
 from megagate.monitor.spike import SpikeMonitorConfig
+from megagate.sections import as_mapping, refuse_unknown
 
 SECTIONS = ("spike", "faults", "diagnostics")
-
-
-def _mapping(values: Any, path: str) -> dict:
-    if values is None:
-        return {}
-    if not isinstance(values, Mapping):
-        raise ConfigError(f"{path} must be a mapping, not {values!r}")
-    return dict(values)
 
 
 @dataclass(frozen=True)
@@ -43,10 +35,8 @@ class DiagnosticsConfig:
 
     @classmethod
     def from_dict(cls, values: Any) -> DiagnosticsConfig:
-        values = _mapping(values, "monitor.diagnostics")
-        unknown = sorted(set(values) - {"interval"}, key=str)
-        if unknown:
-            raise ConfigError(f"monitor.diagnostics.{unknown[0]} is not a known key; allowed: interval")
+        values = as_mapping(values, "monitor.diagnostics")
+        refuse_unknown(values, ["interval"], "monitor.diagnostics")
         return cls(**values)
 
 
@@ -61,10 +51,8 @@ class MonitorConfig:
     @classmethod
     def from_dict(cls, section: Any) -> MonitorConfig:
         """The typed section from the config mapping (None or {} gives the defaults: spike monitor in warn mode)."""
-        section = _mapping(section, "monitor")
-        unknown = sorted(set(section) - set(SECTIONS), key=str)
-        if unknown:
-            raise ConfigError(f"monitor.{unknown[0]} is not a known key; allowed: {', '.join(sorted(SECTIONS))}")
+        section = as_mapping(section, "monitor")
+        refuse_unknown(section, SECTIONS, "monitor")
         faults = section.get("faults")
         if faults is None:
             faults = []

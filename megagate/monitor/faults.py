@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from megagate.errors import ConfigError
+from megagate.sections import refuse_unknown
 
 KINDS = ("corrupt_batch", "scale_loss", "scale_lr", "nan_grad")
 FIELDS = ("step", "kind", "factor")
@@ -54,9 +55,7 @@ class Fault:
         """A fault from its config mapping, refusing unknown and missing keys (errors name `where`)."""
         if not isinstance(item, Mapping):
             raise ConfigError(f"{where} must be a mapping with keys {', '.join(FIELDS)}, not {item!r}")
-        unknown = sorted(set(item) - set(FIELDS), key=str)
-        if unknown:
-            raise ConfigError(f"{where}.{unknown[0]} is not a known key; allowed: {', '.join(sorted(FIELDS))}")
+        refuse_unknown(item, FIELDS, where)
         for key in ("step", "kind"):
             if key not in item:
                 raise ConfigError(f"{where} needs a {key} (kinds: {', '.join(KINDS)})")

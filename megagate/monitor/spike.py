@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megagate.errors import ConfigError, MegagateError
+from megagate.sections import as_mapping, refuse_unknown
 
 ACTIONS = ("warn", "skip", "rollback", "lr_backoff", "abort")
 DIRECTIONS = ("up", "both")
@@ -79,13 +80,8 @@ class SpikeMonitorConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> SpikeMonitorConfig:
         """Build from a config mapping (lists become tuples), naming unknown keys and values of the wrong type."""
-        if values is not None and not isinstance(values, Mapping):
-            raise ConfigError(f"monitor.spike must be a mapping, not {values!r}")
-        values = dict(values or {})
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - fields, key=str)
-        if unknown:
-            raise ConfigError(f"monitor.spike.{unknown[0]} is not a known key; allowed: {', '.join(sorted(fields))}")
+        values = as_mapping(values, "monitor.spike")
+        refuse_unknown(values, [f.name for f in dataclasses.fields(cls)], "monitor.spike")
         if "enabled" in values and not isinstance(values["enabled"], bool):
             raise ConfigError(f"monitor.spike.enabled={values['enabled']!r} must be true or false")
         if "metrics" in values:

@@ -1,0 +1,85 @@
+"""Typed config sections from YAML mappings: the one set of from-mapping helpers (unknown keys, types, mappings).
+
+Used by `megagate.config` (every training-config section) and `megagate.monitor.config` (the monitor's); it sits at
+the bottom layer so both can. Every refusal is a one-line `ConfigError` naming the key path and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any, Union
+
+from megagate.errors import ConfigError
+
+
+def as_mapping(values: Any, path: str) -> dict:
+    """`values` as a dict (None: empty); ConfigError if it is not a mapping."""
+    if values is None:
+        return {}
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{path} must be a mapping, not {values!r}")
+    return dict(values)
+
+
+def refuse_unknown(values: Mapping, allowed: Iterable[str], path: str) -> None:
+    """ConfigError naming the first key of `values` not in `allowed` (YAML keys need not be strings)."""
+    allowed = set(allowed)
+    unknown = sorted(set(values) - allowed, key=str)
+    if unknown:
+        raise ConfigError(f"{path}.{unknown[0]} is not a known key; allowed: {', '.join(sorted(allowed))}")
+
+
+def check_type(value: Any, annotation: Any, path: str) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(annotation)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return check_type(value, arg, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0])
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}={value!r} must be true or false")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}={value!r} must be an integer")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}={value!r} must be a number")
+        if not math.isfinite(value):  # YAML's .inf / .nan: no setting of the trainer means anything with them
+            raise ConfigError(f"{path}={value!r} must be a finite number")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}={value!r} must be a string")
+        return value
+    if annotation is list or origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}={value!r} must be a list")
+        return value
+    if annotation is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}={value!r} must be a mapping")
+        return value
+    return value
+
+
+def build_section(cls: type, values: Any, name: str) -> Any:
+    """A frozen dataclass section from a mapping, refusing unknown keys and wrong types."""
+    values = as_mapping(values, name)
+    hints = typing.get_type_hints(cls)
+    refuse_unknown(values, [f.name for f in dataclasses.fields(cls)], name)
+    return cls(**{k: check_type(v, hints[k], f"{name}.{k}") for k, v in values.items()})
