@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,4 +53,3 @@ def test_two_clones_run_their_own_code(tmp_path):
     # commands of the heavy environment run with the clone's interpreter
     head = (clone / ".venv" / "bin" / "torchrun").read_text().splitlines()[0]
     assert head == f"#!{clone / '.venv' / 'bin' / 'python'}"
-    assert sys.executable  # (this process may run either environment; nothing above depends on it)
