@@ -70,6 +70,17 @@ def load_model_for_analysis(checkpoint_dir: str | Path) -> tuple[torch.nn.Module
         path = ckpt.latest(path)
     elif (path / "checkpoints").is_dir() and ckpt.latest(path / "checkpoints") is not None:
         path = ckpt.latest(path / "checkpoints")
+    # before anything unpickles it: pickled code is refused (UnsafeFileError), damage is one line (no fallback here:
+    # analysis reads the checkpoint it is given and moves nothing)
+    if not (path / ckpt.META).exists() and not (path / ckpt.MANIFEST).exists():
+        raise MegagateError(
+            f"checkpoint {str(path)!r} has no readable {ckpt.META} (nor {ckpt.MANIFEST}): it is not a checkpoint "
+            "(iter_NNNNNNN), nor a checkpoint root or run folder with a complete one"
+        )
+    scanned = ckpt.safety_check(path, collective=False)
+    reason = ckpt.verify(path, collective=False) or scanned
+    if reason is not None:
+        raise MegagateError(f"checkpoint {str(path)!r} is damaged: {reason}")
     meta = ckpt.read_meta(path)
     if not isinstance(meta.get("config"), dict):
         raise MegagateError(f"checkpoint {str(path)!r}: {ckpt.META} has no run config")

@@ -133,7 +133,7 @@ def test_analysis_reproduces_the_live_diagnostics(trained: Path, megatron_world)
 
     model, _ = load_model_for_analysis(trained)
     cfg = config_mod.from_dict(ckpt.read_meta(trained)["config"])
-    _, valid = components.build_data(cfg, config_mod.layout(cfg, 1))
+    _, valid, _ = components.build_data(cfg, config_mod.layout(cfg, 1))
     probe = next(components.loader(cfg, valid, 0))  # the trainer's probe: the first validation micro-batch
     ours = diagnostics.records(STEPS, diagnostics.collect(model, probe["tokens"], probe["position_ids"]))
     lines = (trained.parent.parent / "diagnostics.jsonl").read_text().splitlines()
