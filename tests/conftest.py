@@ -1,6 +1,9 @@
-"""Shared fixtures: a one-process megatron world for CPU unit tests."""
+"""Shared fixtures: a one-process megatron world for CPU unit tests; a session-end check for leftover processes."""
 
+import contextlib
 import os
+import signal
+import uuid
 import warnings
 
 import pytest
@@ -16,3 +19,95 @@ def megatron_world():
 
     with parallel.single_process():
         yield
+
+
+# --- no process outlives the session ---------------------------------------------------------------------------------
+# Every process the tests start inherits this marker (subprocess env copies os.environ, spawn and fork children
+# too), so leftovers are found even after they were reparented to init; other sessions on the machine have their own.
+SESSION_MARKER = "MEGAGATE_TEST_SESSION"
+_session_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+os.environ[SESSION_MARKER] = _session_id
+# the local Slurm cluster's daemons are stopped by their fixture; never count them as test leftovers
+_DAEMONS = {"slurmctld", "slurmd", "slurmdbd", "munged", "slurmstepd"}
+
+
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, state) of every process (from /proc/<pid>/stat)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        table[int(entry)] = (int(fields[1]), fields[0])
+    return table
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _has_marker(pid: int) -> bool:
+    try:
+        environ = open(f"/proc/{pid}/environ", "rb").read()
+    except OSError:
+        return False
+    return f"{SESSION_MARKER}={_session_id}".encode() in environ.split(b"\0")
+
+
+def session_leftovers() -> dict[int, str]:
+    """pid -> command line of the live processes this session started: descendants of this process, and any
+    process carrying this session's marker (orphans reparented to init included)."""
+    me = os.getpid()
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = set(), list(children.get(me, []))
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo.extend(children.get(pid, []))
+    found |= {pid for pid in table if pid != me and _has_marker(pid)}
+    out = {}
+    for pid in found:
+        if pid not in table or table[pid][1] in ("Z", "X"):  # gone, or a zombie waiting to be reaped
+            continue
+        comm = _cmdline(pid)
+        if comm and os.path.basename(comm.split()[0]) in _DAEMONS:
+            continue
+        out[pid] = comm
+    return out
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the session if a process it started is still alive (a leaked trainer, checkpoint-writer Manager,
+    resource tracker, ...): list them, kill them. A short grace period lets dying children finish."""
+    import time
+
+    deadline = time.monotonic() + 10
+    left = session_leftovers()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = session_leftovers()
+    if not left:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [f"{len(left)} process(es) started by this test session are still alive (killed now):"]
+    lines += [f"  pid {pid}: {cmd[:300]}" for pid, cmd in sorted(left.items())]
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    if reporter is not None:
+        reporter.write_sep("=", "leftover processes", red=True)
+        reporter.write_line("\n".join(lines), red=True)
+    else:
+        print("\n".join(lines))
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

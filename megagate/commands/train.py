@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
-from megagate import config as config_mod
+from megagate.errors import MegagateError
+
+if TYPE_CHECKING:
+    from megagate import config as config_mod
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,10 +22,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="world size to plan for with --dry-run (default: from the launcher environment, else 1)",
     )
+    parser.add_argument("--gpu", default="h100-sxm", help="with --dry-run: the GPU of the memory plan (megagate plan)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="with --dry-run: GPUs per node of the plan")
 
 
 def describe(cfg: config_mod.TrainConfig, world_size: int) -> str:
     """The resolved model, parallel layout and batch arithmetic, as printed by --dry-run."""
+    from megagate import config as config_mod
     from megagate.model.counts import flops_per_token, parameter_counts
 
     layout = config_mod.layout(cfg, world_size)
@@ -61,28 +68,46 @@ def run(args: argparse.Namespace) -> int:
         from megagate.train.signals import install_early
 
         install_early()  # before anything slow: a preemption warning during set-up must not kill the process
+    from megagate import config as config_mod  # imports torch (seconds): after the handlers exist
+
     cfg = config_mod.load(args.config, args.overrides)
     if args.dry_run:
         world = args.world_size
         if world is None:
             world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-        print(describe(cfg, world))  # the layout check of the real run (config_mod.layout) included
+        elif world < 1:
+            raise MegagateError(f"--world-size {world}: must be a positive number of processes")
+        if args.gpus_per_node < 1:
+            raise MegagateError(f"--gpus-per-node {args.gpus_per_node}: must be >= 1")
+        from megagate.plan import plan
+
+        text = describe(cfg, world)  # the layout check of the real run (config_mod.layout) included
+        predicted = plan(cfg, world, args.gpu, gpus_per_node=min(args.gpus_per_node, world))
+        print(f"{text}\nmemory plan:\n{predicted.table()}")
         return 0
     import torch
 
     from megagate.distributed import launch
+    from megagate.train import children, runlock
     from megagate.train.trainer import train
 
     if not any(v in os.environ for v in ("RANK", "SLURM_PROCID", "MASTER_PORT")):
         os.environ["MASTER_PORT"] = str(_free_port())  # a single process: any free port, not a fixed one
     env = launch.init_process_group()
-    config_mod.layout(cfg, env.world_size)  # refuse a bad layout before building anything
+    locks: list = []
     try:
+        config_mod.layout(cfg, env.world_size)  # refuse a bad layout before building anything
+        # one run per output directory: every rank refuses together, before anything is written
+        locks = runlock.lock_for_run(cfg.output.dir, cfg.checkpoint_dir)
+        # megatron's checkpoint-writer Manager ignores the stop signals and dies with this process
+        children.install_checkpoint_writer_queue()
         train(cfg, env.world_size)
     finally:
         from megatron.core import parallel_state
 
+        children.shutdown()
         parallel_state.destroy_model_parallel()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        runlock.release_all(locks)
     return 0

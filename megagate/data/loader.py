@@ -28,6 +28,7 @@ Shuffling happens inside the datasets (seeded by `seed` in `build_datasets`), so
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -132,7 +133,7 @@ def build_datasets(
         MockGPTDataset,
     )
 
-    from megagate.data.indexed import strip_suffix, validate
+    from megagate.data.indexed import name_write_errors, strip_suffix, validate
 
     require(seq_length >= 1, f"seq_length={seq_length}: must be >= 1")
     require(len(num_samples) == 3, f"num_samples={num_samples!r}: give (train, valid, test)")
@@ -156,6 +157,7 @@ def build_datasets(
         blend_cfg, cls = (prefixes, weights), GPTDataset
     if cache_dir is not None:
         os.makedirs(cache_dir, exist_ok=True)
+        check_cache_files(cache_dir)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
@@ -172,8 +174,28 @@ def build_datasets(
     if not mock:
         _check_split_sizes(infos, config.split_matrix, split)
     builder = BlendedMegatronDatasetBuilder(cls, list(num_samples), lambda: True, config)
-    train, valid, test = builder.build()
+    # megatron writes its cache with np.save: a full disk there is an OSError without a file name; name the cache
+    with name_write_errors(str(cache_dir)) if cache_dir is not None else contextlib.nullcontext():
+        train, valid, test = builder.build()
     return train, valid, test
+
+
+def check_cache_files(cache_dir: str | os.PathLike) -> None:
+    """ConfigError naming the first damaged index file in megatron's dataset cache (a run killed while writing it,
+    a full disk): megatron would load it as garbage or fail with numpy's error. Deleting the file is safe: megatron
+    rebuilds a cache entry that is incomplete."""
+    if not os.path.isdir(cache_dir):
+        return
+    for name in sorted(os.listdir(cache_dir)):
+        if not name.endswith(".npy"):
+            continue
+        path = os.path.join(cache_dir, name)
+        try:
+            np.load(path, mmap_mode="r", allow_pickle=False)  # reads the header; mmap checks the size against it
+        except (ValueError, OSError, EOFError) as exc:
+            raise ConfigError(
+                f"data cache file {path!r} is damaged ({' '.join(str(exc).split())}); delete it and it is rebuilt"
+            ) from None
 
 
 def _check_split_sizes(infos: dict, split_matrix, split: str) -> None:
@@ -218,10 +240,12 @@ def build_loader(
     num_workers: int = 0,
     drop_last: bool = True,
     device: str | None = None,
+    worker_init_fn=None,
 ):
     """An iterable of micro-batch dicts (see module docstring); `len()` is the number of micro-batches.
 
-    kind="torch": a `torch.utils.data.DataLoader` over the sampler (`num_workers` processes).
+    kind="torch": a `torch.utils.data.DataLoader` over the sampler (`num_workers` processes, each starting with
+                  `worker_init_fn(worker_id)`: the trainer's makes them ignore stop signals and die with it).
     kind="dali":  a DALI pipeline (CPU here; with a GPU it prefetches batches into GPU memory; `device="cpu"`
                   forces CPU). Both yield identical batches for the same dataset and arguments.
     """
@@ -244,6 +268,7 @@ def build_loader(
         num_workers=num_workers,
         collate_fn=collate,
         generator=g,
+        worker_init_fn=worker_init_fn,
         pin_memory=device not in (None, "cpu") and torch.cuda.is_available(),
         persistent_workers=False,
     )

@@ -9,8 +9,6 @@ from __future__ import annotations
 import signal
 import time
 
-import torch
-
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _early: int | None = None  # a stop signal that arrived before the loop's handlers existed
 
@@ -47,6 +45,8 @@ class StopConditions:
             local = 2
         elif self.deadline is not None and time.monotonic() + 2 * step_time >= self.deadline:
             local = 1
+        import torch  # not at module level: install_early() runs before the seconds-long torch import
+
         flag = torch.tensor([local], dtype=torch.int32)
         if torch.distributed.is_initialized():
             if torch.cuda.is_available():
