@@ -144,28 +144,44 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.exists():
         return []
-    lines = path.read_text().splitlines()
+    lines = _read_text(path).splitlines()
     records = []
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            records.append(_decode(json.loads(line)))
+            record = _decode(json.loads(line))
         except json.JSONDecodeError as exc:
             if i == len(lines) - 1:
                 break
             raise MegagateError(f"{path}:{i + 1}: not a JSON line ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise MegagateError(f"{path}:{i + 1}: a JSON {type(record).__name__}, not an object")
+        records.append(record)
     return records
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise MegagateError(
+            f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
+        ) from None
+
+
 def read_json(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The JSON object in `path` (None if absent); MegagateError naming the file if it is not one."""
     path = Path(path)
     if not path.exists():
         return None
     try:
-        return _decode(json.loads(path.read_text()))
+        record = _decode(json.loads(_read_text(path)))
     except json.JSONDecodeError as exc:
-        raise MegagateError(f"{path}: not JSON ({exc.msg})") from None
+        raise MegagateError(f"{path}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    if not isinstance(record, dict):
+        raise MegagateError(f"{path}: a JSON {type(record).__name__}, not an object")
+    return record
 
 
 def read_config(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -215,3 +231,22 @@ def iter_run_files(run_dir: str | os.PathLike) -> Iterator[Path]:
         path = Path(run_dir) / name
         if path.exists():
             yield path
+
+
+def truncate_after(run_dir: str | os.PathLike, step: int) -> int:
+    """Drop the records of steps after `step` from the run's step-keyed JSONL files (metrics, events, diagnostics);
+    the number dropped.
+
+    A resumed launch continues from its checkpoint's step: what an earlier launch logged after that step (it was
+    killed before its next checkpoint) is replaced by what the resumed launch logs, not kept twice. Files are
+    rewritten atomically, and only when something is dropped.
+    """
+    dropped = 0
+    for name in (METRICS, EVENTS, DIAGNOSTICS):
+        path = Path(run_dir) / name
+        records = read_jsonl(path)
+        kept = [r for r in records if int(r.get("step", 0)) <= step]
+        if len(kept) != len(records) or (path.exists() and not path.read_bytes().endswith(b"\n")):
+            write_atomic(path, "".join(dumps(r) + "\n" for r in kept))
+            dropped += len(records) - len(kept)
+    return dropped

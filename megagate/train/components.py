@@ -7,6 +7,7 @@ Trainer (megagate.train.trainer) steps them. Nothing here knows about the loop o
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,6 +33,17 @@ class Components:
     scheduler: Any  # megatron's OptimizerParamScheduler
     train_data: Any  # megatron datasets
     valid_data: Any
+    data: DataBuild | None = None  # how the datasets were built (stored in checkpoints)
+
+
+@dataclass(frozen=True)
+class DataBuild:
+    """The sample counts the datasets were built with and the tokenizer file: megatron's GPTDataset order depends
+    on the sample count, so a resumed run rebuilds with the saved counts (see `data_samples`)."""
+
+    train_samples: int
+    valid_samples: int
+    tokenizer: str | None
 
 
 # --- precision and backend ---------------------------------------------------------------------------------------
@@ -153,8 +165,8 @@ def build_optimizer(cfg: TrainConfig, ddp: list) -> tuple[Any, Any]:
 
 
 # --- data ----------------------------------------------------------------------------------------------------------
-def build_data(cfg: TrainConfig, layout: Layout) -> tuple[Any, Any]:
-    """(train, valid) megatron datasets for the run."""
+def build_data(cfg: TrainConfig, layout: Layout) -> tuple[Any, Any, DataBuild]:
+    """(train, valid) megatron datasets for the run, and how they were built."""
     from megagate.data.loader import build_datasets
 
     d, t = cfg.data, cfg.train
@@ -170,22 +182,42 @@ def build_data(cfg: TrainConfig, layout: Layout) -> tuple[Any, Any]:
         vocab = load_tokenizer(tokenizer).vocab_size
         if vocab > cfg.model.vocab_size:
             raise ConfigError(f"the tokenizer has {vocab} tokens but model.vocab_size is {cfg.model.vocab_size}")
-    gbs = t.global_batch_size
-    evaluations = (t.train_steps // t.eval_interval if t.eval_interval else 0) + 1
-    # the test split is not used in training: one epoch of it (a sample count on an empty split never ends)
-    num_samples = (t.train_steps * gbs, evaluations * t.eval_iters * gbs, None)
+    train_samples, valid_samples = data_samples(cfg)
     train, valid, _ = build_datasets(
         blend,
         tokenizer=tokenizer,
         seq_length=t.seq_length,
-        num_samples=num_samples,
+        # the test split is not used in training: one epoch of it (a sample count on an empty split never ends)
+        num_samples=(train_samples, valid_samples, None),
         split=d.split,
         seed=cfg.seed,
         cache_dir=d.cache_dir or os.path.join(cfg.output.dir, "data_cache"),
         mock=d.mock,
         mock_vocab_size=cfg.model.vocab_size,
     )
-    return train, valid
+    return train, valid, DataBuild(train_samples, valid_samples, tokenizer)
+
+
+def data_samples(cfg: TrainConfig) -> tuple[int, int]:
+    """(train, valid) sample counts to build the datasets with.
+
+    A fresh run: what its steps and evaluations read. A resumed run: at least the counts its checkpoint was built
+    with — megatron's GPTDataset orders its samples by epochs of the count it is built for, so the data position (a
+    sample count) keeps pointing into the same order after a change of the global batch size or of the evaluation
+    cadence. Whether the order really is the same is checked on resume (megagate.train.resume.order_digest).
+    """
+    from megagate.train.resume import newest_meta
+
+    t = cfg.train
+    gbs = t.global_batch_size
+    evaluations = (t.train_steps // t.eval_interval if t.eval_interval else 0) + 1
+    train_samples, valid_samples = t.train_steps * gbs, evaluations * t.eval_iters * gbs
+    saved = newest_meta(cfg.checkpoint_dir) if cfg.checkpoint.load else None
+    built = (saved or {}).get("data_samples")
+    if not built:
+        return train_samples, valid_samples
+    needed = int(saved["consumed_samples"]) + (t.train_steps - int(saved["step"])) * gbs
+    return max(needed, int(built["train"])), max(valid_samples, int(built["valid"]))
 
 
 def _rank0_first(fn: Callable[[], Any]) -> Any:
@@ -205,6 +237,7 @@ def loader(cfg: TrainConfig, dataset: Any, consumed_samples: int) -> Iterator[di
     from megatron.core import parallel_state
 
     from megagate.data.loader import build_loader
+    from megagate.train import children
 
     return iter(
         build_loader(
@@ -215,6 +248,8 @@ def loader(cfg: TrainConfig, dataset: Any, consumed_samples: int) -> Iterator[di
             consumed_samples=consumed_samples,
             data_parallel_rank=parallel_state.get_data_parallel_rank(),
             data_parallel_size=parallel_state.get_data_parallel_world_size(),
+            # workers (if any) ignore the stop signals and die with the trainer, like every child of it
+            worker_init_fn=functools.partial(children.worker_init, os.getpid()),
         )
     )
 
@@ -261,5 +296,5 @@ def build_components(cfg: TrainConfig, world_size: int) -> Components:
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.grad_scale_func = optimizer.scale_loss
     tconfig.no_sync_func = [c.no_sync for c in ddp] if len(ddp) > 1 else ddp[0].no_sync
-    train_data, valid_data = build_data(cfg, layout)
-    return Components(cfg, layout, chunks, ddp, optimizer, scheduler, train_data, valid_data)
+    train_data, valid_data, data = build_data(cfg, layout)
+    return Components(cfg, layout, chunks, ddp, optimizer, scheduler, train_data, valid_data, data)

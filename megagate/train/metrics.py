@@ -20,11 +20,10 @@ def peak_tflops_per_gpu() -> float | None:
     """Dense bf16 peak of the local GPU (for MFU), when known."""
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    for key, peak in (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("B200", 2250.0), ("L40", 181.0)):
-        if key in name:
-            return peak
-    return None
+    from megagate.plan.devices import from_cuda_name  # the planner's device table, one source for both
+
+    known = from_cuda_name(torch.cuda.get_device_name())
+    return known.bf16_tflops if known else None
 
 
 class Metrics:
@@ -39,6 +38,7 @@ class Metrics:
         tokens_per_step: int,
         flops_per_token: float,
         world_size: int,
+        resumed_at: int = 0,
     ) -> None:
         self.run_dir, self.enabled = run_dir, enabled
         self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
@@ -47,7 +47,10 @@ class Metrics:
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=f"{run_dir}/tensorboard")
+            # purge_step: TensorBoard hides what an earlier launch logged after the resumed step
+            self.writer = SummaryWriter(
+                log_dir=f"{run_dir}/tensorboard", purge_step=resumed_at + 1 if resumed_at else None
+            )
         self.peak = peak_tflops_per_gpu()
         self._start = time.perf_counter()
         self._first_step: int | None = None

@@ -30,6 +30,7 @@ from megagate.config import TrainConfig
 from megagate.errors import MegagateError
 from megagate.train import checkpoint as ckpt
 from megagate.train import components as parts
+from megagate.train import resume as resume_checks
 from megagate.train.metrics import log
 
 if TYPE_CHECKING:
@@ -99,11 +100,18 @@ class Trainer:
         self._data_position = -1  # where self._data reads next
         self._seek: int | None = None  # a data position asked for by seek(), taken when the next step reads
         self._restored = False
+        tokenizer = None if components.data is None else components.data.tokenizer
+        self._data_order = resume_checks.data_order(cfg, tokenizer)
 
     # --- the loop --------------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Resume if a checkpoint exists, train to train.train_steps or until a callback stops; the run summary."""
         self._resume()
+        if self.step >= self.cfg.train.train_steps:
+            # a finished run rerun (e.g. a requeued job that had completed): nothing to do, and nothing written —
+            # its summary, metrics and checkpoints stay as the finished run left them
+            log(f"the run in {self.cfg.output.dir} is already complete at step {self.step}; nothing to do")
+            return self.summary
         try:
             self._call("on_start")
             while self.step < self.cfg.train.train_steps and self.stop_reason is None:
@@ -197,12 +205,19 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Checkpoint the current state (a collective call: every rank must make it)."""
+        data = self.components.data
         meta = {
             "consumed_samples": self.consumed_samples,
             "scheduler": self.scheduler.state_dict(),
             "layout": parts.layout_key(self.cfg, self.layout),
             "optimizer_format": self.cfg.checkpoint.optimizer_format,
             "config": self.cfg.raw,
+            # what a resume checks (megagate.train.resume)
+            "architecture": resume_checks.architecture(self.cfg),
+            "data_order": self._data_order,
+            "schedule": resume_checks.schedule(self.cfg),
+            "data_samples": None if data is None else {"train": data.train_samples, "valid": data.valid_samples},
+            "data_position": resume_checks.order_digest(self.components.train_data, self.consumed_samples),
             **{f"x_{cb.state_key}": cb.state_dict() for cb in self.callbacks if cb.state_key},
         }
         path = self.checkpointer.save(self.step, self.model, self.optimizer, meta)
@@ -232,15 +247,36 @@ class Trainer:
         return meta
 
     def _resume(self) -> None:
-        path = self.latest_checkpoint()
-        if path is not None and self.cfg.checkpoint.load:
-            saved_layout = ckpt.read_meta(path).get("layout")
-            same_layout = saved_layout == parts.layout_key(self.cfg, self.layout)
-            meta = self._load(path, same_layout)
+        resumed = None
+        if self.cfg.checkpoint.load:
+            tokenizer = None if self.components.data is None else self.components.data.tokenizer
+            # newest good checkpoint first: a damaged one is moved aside with a warning, a crafted one refused;
+            # a config that cannot resume from the chosen one is the user's error (check_compatible raises)
+            resumed = self.checkpointer.resume(
+                self.model,
+                self.optimizer,
+                parts.layout_key(self.cfg, self.layout),
+                check=lambda p, saved: resume_checks.check_compatible(
+                    saved, self.cfg, tokenizer=tokenizer, path=str(p)
+                ),
+                load=self._load,
+            )
+        if resumed is not None:
+            path, meta, same_layout = resumed.path, resumed.meta, resumed.same_layout
+            saved_layout = meta.get("layout")
             log(
                 f"resumed from {path} at step {self.step} ({self.consumed_samples} samples)"
                 + ("" if same_layout else f"; resharded from {saved_layout}")
             )
+            if resume_checks.order_changed(meta.get("data_position"), self.components.train_data):
+                log(
+                    f"warning: the training data order differs from the checkpoint's at sample {self.consumed_samples} "
+                    "(the dataset was rebuilt for more samples than it held, into more epochs): training continues "
+                    "on the new order"
+                )
+            changed = resume_checks.reschedule(self.scheduler, meta, self.cfg)
+            if changed:
+                log(f"the schedule follows this config from step {self.step + 1} on: {'; '.join(changed)}")
             for cb in self.callbacks:
                 if cb.state_key and f"x_{cb.state_key}" in meta:
                     cb.load_state_dict(meta[f"x_{cb.state_key}"])

@@ -100,9 +100,9 @@ def train_records(out: Path) -> list[dict]:
 def launches(out: Path, resumed_at: list[int]) -> list[list[tuple[int, float]]]:
     """(step, loss) lines of each launch of a run that resumed after the steps `resumed_at` (one per relaunch).
 
-    Launch i + 1 starts with step resumed_at[i] + 1 and, but for the last, ends where the next one resumed or
-    later (a killed launch's steps after its last checkpoint are trained, and logged, again). Split from the end:
-    the last launch wrote the last STEPS - resumed_at[-1] lines, and so on back.
+    Launch i + 1 starts with step resumed_at[i] + 1 and, but for the last, ends where the next one resumed (a
+    killed launch's steps after its last checkpoint are trained again, and the resumed launch's lines replace its
+    own). Split from the end: the last launch wrote the last STEPS - resumed_at[-1] lines, and so on back.
     """
     lines = [(r["step"], r["loss"]) for r in train_records(out)]
     found: list[list[tuple[int, float]]] = []

@@ -7,8 +7,10 @@
 - an uninterrupted Slurm job's losses and final weights equal torchrun's exactly (and the single process's closely);
 - in one job: a rank SIGKILLed mid-run fails the step, the job requeues and resumes from the latest checkpoint; the
   resumed launch then gets the warning signal (USR1 to the batch shell), checkpoints and exits 0, the job requeues
-  again, resumes exactly there and finishes with the uninterrupted run's losses (replayed steps included) and
-  bit-identical final weights and optimizer state.
+  again, resumes exactly there and finishes with the uninterrupted run's losses (replayed steps logged once) and
+  bit-identical final weights and optimizer state;
+- `scancel --signal=USR1 --full` (every process of the job, as preemption is delivered) after the first checkpoint:
+  stop checkpoint, requeue, exact resume.
 Plus (no cluster needed): `megagate submit` resolves `model.preset` to the trainer's expert count for the EP checks.
 """
 
@@ -181,20 +183,66 @@ def test_trainer_killed_rank_and_warning_signal_resume(
     stopped = stops[0]
     assert resumed2 == stopped  # the warned launch resumes exactly where it stopped
     first, second, third = launches(out, [resumed, stopped])
-    assert len(first) == killed_at and seen <= killed_at < STEPS
-    assert [s for s, _ in first] == list(range(1, killed_at + 1))
-    # the killed launch resumes from its latest checkpoint (one being saved at the kill may be lost)
+    assert seen <= killed_at < STEPS
+    # the killed launch resumes from its latest checkpoint (one being saved at the kill may be lost); what the killed
+    # launch logged after it is replaced by the resumed launch's lines (each step is in metrics.jsonl once)
     assert resumed % CHECKPOINT_INTERVAL == 0 and killed_at - CHECKPOINT_INTERVAL <= resumed <= killed_at
+    assert [s for s, _ in first] == list(range(1, resumed + 1))
     assert resumed_seen <= stopped < STEPS and [s for s, _ in second] == list(range(resumed + 1, stopped + 1))
     assert [s for s, _ in third] == list(range(stopped + 1, STEPS + 1))
     want = reference.losses()
     logged = first + second + third
-    assert logged == [(s, want[s]) for s, _ in logged]  # bit-identical, steps trained twice included
+    assert logged == [(s, want[s]) for s in range(1, STEPS + 1)]  # bit-identical, each step once
     n = assert_same_final_state(out, reference.torchrun)
     print(
         f"rank 2 killed after step {killed_at} (requeued {t_requeued:.1f} s after submit), resumed at {resumed}; "
         f"USR1 after step {resumed_seen}, stopped at {stopped}, resumed, finished: {elapsed:.1f} s submit -> "
         f"COMPLETED; {len(logged)} losses and {n} tensors bit-identical"
+    )
+
+
+@pytest.mark.slurm
+def test_trainer_full_job_usr1_saves_stop_checkpoint_and_resumes(
+    slurm, reference: Reference, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """(4) `scancel --signal=USR1 --full` after the first checkpoint: USR1 reaches every process of the job (batch
+    shell, srun, each rank and each rank's checkpoint-writer Manager), the way Slurm delivers preemption. The ranks
+    save the stop checkpoint (the Managers ignore the signal; they used to die of it and the save failed with a
+    BrokenPipeError), exit 0, the job requeues, resumes exactly at the stop and ends bit-identical to the
+    uninterrupted run.
+    """
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    job = submit(slurm, tmp_path, "full", out, reference.demo_dir, monkeypatch, capsys)
+    first_ckpt = out / "checkpoints" / f"iter_{CHECKPOINT_INTERVAL:07d}"
+    deadline = time.monotonic() + SLURM_TIMEOUT
+    while not first_ckpt.is_dir() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert first_ckpt.is_dir(), job_log(tmp_path, "full", job)[-4000:]
+    slurm.cluster.run("scancel", "--full", "--signal=USR1", str(job))
+    info = slurm.wait(job, timeout=SLURM_TIMEOUT)
+    elapsed = time.monotonic() - t0
+    log = job_log(tmp_path, "full", job)
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), log[-4000:]
+    assert "BrokenPipeError" not in log and "Traceback" not in log
+    assert "checkpointed and exited after the warning signal (step exit code 0)" in log
+    stops = {int(s) for s in re.findall(r"stopped at step (\d+) \(signal\)", log)}
+    resumes = {
+        (int(a), int(b))
+        for a, b in re.findall(rf"resumed from {re.escape(str(out))}/checkpoints/iter_(\d{{7}}) at step (\d+) ", log)
+    }
+    assert len(stops) == 1 and len(resumes) == 1, (stops, resumes)
+    (stopped,), ((resumed, _),) = stops, resumes
+    assert resumed == stopped and CHECKPOINT_INTERVAL <= stopped < STEPS  # resumed from the stop checkpoint
+    first, second = launches(out, [stopped])
+    assert [s for s, _ in first] == list(range(1, stopped + 1))  # nothing trained twice
+    assert [s for s, _ in second] == list(range(stopped + 1, STEPS + 1))
+    want = reference.losses()
+    assert first + second == [(s, want[s]) for s in range(1, STEPS + 1)]  # bit-identical
+    n = assert_same_final_state(out, reference.torchrun)
+    print(
+        f"USR1 --full after step {CHECKPOINT_INTERVAL}'s checkpoint: stopped at {stopped}, resumed, finished in "
+        f"{elapsed:.1f} s; {STEPS} losses and {n} tensors bit-identical"
     )
 
 

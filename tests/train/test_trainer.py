@@ -4,11 +4,13 @@ Determinism, exact resume, resharding TP=2 -> TP=1, a crash during a checkpoint 
 (TP=2, PP=2, DP=2 with the distributed optimizer, EP=2 MoE) against the single-process run.
 """
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -65,6 +67,7 @@ def test_kill_during_checkpoint_save_keeps_last_good(reference, tmp_path, demo_d
         f"data.demo_dir={demo_dir}",
         f"output.dir={tmp_path}",
         "checkpoint.interval=4",
+        "logging.tensorboard=true",
     ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "megagate", "train", *args],
@@ -84,9 +87,21 @@ def test_kill_during_checkpoint_save_keeps_last_good(reference, tmp_path, demo_d
 
     assert checkpoint.latest(tmp_path / "checkpoints").name == "iter_0000004"
     assert not (tmp_path / "checkpoints" / "iter_0000008").exists()
-    rerun = T.run_train(tmp_path, demo_dir, "checkpoint.interval=4")
+    rerun = T.run_train(tmp_path, demo_dir, "checkpoint.interval=4", "logging.tensorboard=true")
     assert "resumed from" in rerun.stdout and "iter_0000004" in rerun.stdout
     assert T.losses(tmp_path) == T.losses(reference)
+    # steps 5-8 were logged by the killed launch and again by the resumed one: each is in metrics.jsonl once
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, 13))
+    assert "records after step 4 that the resumed steps log again" in rerun.stdout
+    # TensorBoard too (the resumed launch's writer purges what the killed one wrote after step 4)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("train/loss")
+    assert [e.step for e in scalars] == list(range(1, 13))
+    assert [e.value for e in scalars] == pytest.approx([T.losses(reference)[s] for s in range(1, 13)], rel=1e-6)
     assert not partial.exists()  # the stale partial save is cleaned up by the next save
 
 
@@ -150,3 +165,53 @@ def test_interleaved_pp_matches_single_process(tmp_path, demo_dir):
     assert sorted(single) == sorted(vpp) == list(range(1, 7))
     for step in single:
         assert abs(single[step] - vpp[step]) < 2e-4, (step, single[step], vpp[step])
+
+
+# --- what a resume keeps and may change (megagate.train.resume) ---------------------------------------------------
+def _snapshot(run: Path) -> dict[str, bytes]:
+    """Every file of a run directory, but the lock file (each launch writes its own holder into it)."""
+    return {
+        str(p.relative_to(run)): p.read_bytes()
+        for p in sorted(Path(run).rglob("*"))
+        if p.is_file() and p.name != ".megagate.lock"
+    }
+
+
+def test_finished_run_rerun_changes_nothing(reference, demo_dir):
+    """A completed run started again (e.g. a requeued job) is a no-op: every file of the run stays byte-identical."""
+    before = _snapshot(reference)
+    rerun = T.run_train(reference, demo_dir)
+    assert "already complete at step 12; nothing to do" in rerun.stdout
+    after = _snapshot(reference)
+    assert after.keys() == before.keys() and all(after[k] == before[k] for k in before)
+    summary = json.loads((reference / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["diverged"] is False and summary["final_loss"] == T.losses(reference)[12]
+
+
+def test_resume_with_another_gate_is_one_line(reference, tmp_path, demo_dir):
+    """The reference's step-12 checkpoint under a baseline (ungated) config: refused in one line before loading."""
+    proc = T.run_train(
+        tmp_path, demo_dir, "model.gate=baseline", f"checkpoint.dir={reference / 'checkpoints'}", check=False
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1 and "cannot resume from" in lines[0] and "model.gate.position 'g1' -> 'none'" in lines[0]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_new_global_batch_size_from_a_step_on(reference, tmp_path, demo_dir):
+    """6 steps at global batch 8, then 6 at 16: steps 1-6 as the reference, the data position (48 samples) read in
+    the same order, the schedule recomputed for the remaining samples (LR decays to min_lr at step 12 exactly)."""
+    first = T.run_train(tmp_path, demo_dir, "train.exit_after_steps=6")
+    assert "stopped at step 6" in first.stdout
+    second = T.run_train(tmp_path, demo_dir, "train.global_batch_size=16")
+    assert "the schedule follows this config from step 7 on: train.global_batch_size 8 -> 16" in second.stdout
+    assert "data order differs" not in second.stdout  # within the first epoch the order is the same
+    ours, want = T.losses(tmp_path), T.losses(reference)
+    assert sorted(ours) == list(range(1, 13)) and all(ours[s] == want[s] for s in range(1, 7))
+    meta = json.loads((tmp_path / "checkpoints" / "iter_0000012" / "megagate.json").read_text())
+    assert meta["consumed_samples"] == 48 + 6 * 16 and meta["scheduler"]["num_steps"] == 144
+    assert meta["scheduler"]["lr_decay_steps"] == 144
+    records = map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+    lrs = [r["lr"] for r in records if r["split"] == "train"]
+    assert lrs[6:] == sorted(lrs[6:], reverse=True) and lrs[-1] > 1e-5  # the last update still above min_lr

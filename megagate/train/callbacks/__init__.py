@@ -20,7 +20,9 @@ def default_callbacks(cfg: TrainConfig) -> list[Callback]:
 
     metrics before everything that logs through its writer; faults before the spike monitor (it judges the
     faulted loss; LR factors multiply in this order); evaluation before checkpointing (a checkpoint holds the state
-    after an evaluation of the same step); the summary last (it reports the final validation).
+    after an evaluation of the same step: the validation loader draws from the RNG) — except at the end, where
+    Evaluation has the final checkpoint saved first, so a failing final validation loses nothing; the summary last
+    (it reports the final validation).
     """
     m = cfg.monitor
     callbacks: list[Callback] = [StopChecks(), MetricsLogger()]

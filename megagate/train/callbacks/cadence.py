@@ -53,6 +53,9 @@ class Evaluation(Callback):
 
     def on_end(self, trainer: Trainer) -> None:
         if trainer.completed:
+            checkpointing = trainer.callback(Checkpointing)
+            if checkpointing is not None:  # the final checkpoint first: the validation cannot lose it
+                checkpointing.save_final(trainer)
             self._evaluate(trainer)
 
     def _evaluate(self, trainer: Trainer) -> None:
@@ -66,6 +69,9 @@ class Checkpointing(Callback):
     """A checkpoint every checkpoint.interval steps and at the end of every launch that trained (completed, stopped
     by a signal or the wall-time limit, or aborted by a callback), so a rerun of the same command resumes."""
 
+    def __init__(self) -> None:
+        self.saved_step: int | None = None
+
     def post_step(self, trainer: Trainer, output: StepOutput) -> None:
         interval = trainer.cfg.checkpoint.interval
         # a stopping run saves once, in on_end
@@ -76,15 +82,25 @@ class Checkpointing(Callback):
             and trainer.stop_reason is None
         ):
             trainer.save_checkpoint()
+            self.saved_step = output.step
+
+    def save_final(self, trainer: Trainer) -> None:
+        """The end-of-launch checkpoint (once; Evaluation asks for it before the final validation)."""
+        # trainer.step == start_step: the latest checkpoint already holds this state (or no step ran)
+        if trainer.step > trainer.start_step and self.saved_step != trainer.step:
+            trainer.save_checkpoint()
+            self.saved_step = trainer.step
 
     def on_end(self, trainer: Trainer) -> None:
-        if trainer.step > trainer.start_step:  # otherwise the latest checkpoint already holds this state (or none ran)
-            trainer.save_checkpoint()
+        self.save_final(trainer)
         if trainer.stop_reason is not None and trainer.error is None:
-            log(
-                f"stopped at step {trainer.step} ({trainer.stop_reason}); checkpoint saved, resume by running the same "
-                f"command"
-            )
+            if self.saved_step == trainer.step:
+                saved = "checkpoint saved"
+            elif trainer.step == 0:
+                saved = "no step was trained, nothing to save"
+            else:
+                saved = f"no step was trained in this launch, the checkpoint of step {trainer.step} holds this state"
+            log(f"stopped at step {trainer.step} ({trainer.stop_reason}); {saved}; resume by running the same command")
 
 
 class StopChecks(Callback):

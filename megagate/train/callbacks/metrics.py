@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from megagate.model.counts import flops_per_token
 from megagate.monitor import runfiles
 from megagate.train.callbacks.base import Callback
-from megagate.train.metrics import Metrics
+from megagate.train.metrics import Metrics, log
 
 if TYPE_CHECKING:
     from megagate.train.trainer import StepOutput, Trainer
@@ -37,6 +37,10 @@ class MetricsLogger(Callback):
         if trainer.logging_rank:
             os.makedirs(cfg.output.dir, exist_ok=True)
             runfiles.write_atomic(os.path.join(cfg.output.dir, runfiles.CONFIG), _yaml(cfg.raw))
+            if trainer.step:  # resumed: what a killed launch logged after the checkpoint is logged again now
+                dropped = runfiles.truncate_after(cfg.output.dir, trainer.step)
+                if dropped:
+                    log(f"dropped {dropped} records after step {trainer.step} that the resumed steps log again")
         self.metrics = Metrics(
             cfg.output.dir,
             trainer.logging_rank,
@@ -45,6 +49,7 @@ class MetricsLogger(Callback):
             t.global_batch_size * t.seq_length,
             flops_per_token(cfg.model, t.seq_length),
             trainer.layout.world_size,
+            resumed_at=trainer.step,
         )
 
     def post_step(self, trainer: Trainer, output: StepOutput) -> None:

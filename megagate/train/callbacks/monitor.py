@@ -50,8 +50,14 @@ class SpikeMonitoring(Callback):
         trainer.summary["spikes"] = self.monitor.num_events
 
     def on_step_start(self, trainer: Trainer, step: int) -> None:
-        # batches are numbered by the step that reads them in an uninterrupted run; rollbacks skip windows of them
-        trainer.seek((self.monitor.data_index(step) - 1) * trainer.cfg.train.global_batch_size)
+        # Rollbacks drop windows of batches (numbered by the step that reads them in an uninterrupted run). The data
+        # position already holds the windows that began before this step (a checkpoint's position includes them;
+        # a rollback restores one from before its window); a window that begins now moves it forward. Relative to
+        # the position, not step x batch size, which a resume with a new global batch size changes.
+        before = self.monitor.data_index(step - 1) - (step - 1)
+        dropped = self.monitor.data_index(step) - step - before
+        if dropped:
+            trainer.seek(trainer.consumed_samples + dropped * trainer.cfg.train.global_batch_size)
 
     def pre_optim_step(self, trainer: Trainer, update: Update) -> None:
         step = update.step
