@@ -7,8 +7,11 @@ when their command runs (torch and megatron imports take seconds), so `megagate 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
+import typing
 from types import ModuleType
 
 from megagate.errors import MegagateError
@@ -16,6 +19,7 @@ from megagate.errors import MegagateError
 # name -> one-line help; the module is megagate.commands.<name>
 COMMANDS: dict[str, str] = {
     "train": "train a gated GPT from a YAML config (torchrun, srun or a single process)",
+    "plan": "per-GPU memory and step time of a config on N nodes (--search: the fitting layouts, fastest first)",
     "submit": "render and submit a Slurm batch job for a training config",
     "sweep": "run a stability grid (learning rates x gate variants x seeds) locally or as a Slurm job array",
     "report": "aggregate run directories into a table (loss, ppl, spikes, divergence, F-Attn, M-Act) and plots",
@@ -26,6 +30,32 @@ COMMANDS: dict[str, str] = {
     "variants": "list the gate presets and the paper's parameter counts",
     "demo": "the CPU demo: real-text data, baseline vs gated tiny models trained with megagate train, loss-curve plot",
 }
+
+
+class _UsageError(Exception):
+    """An argparse refusal (unknown flag, bad choice, wrong type), raised instead of argparse's usage + exit."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that refuses a bad command line with one line (`main` prints it), not usage text and SystemExit.
+
+    Sub-parsers inherit the class (argparse builds them with the parent's type), so `data inspect` behaves alike.
+    """
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise _UsageError(f"{message} (see {self.prog} --help)")
+
+
+def os_error_message(exc: OSError) -> str | None:
+    """One line for an expected operating-system error about a path the user gave (no permission, a file where a
+    folder should be, disk full, read-only file system), or None for an OSError that is a bug (no errno or path)."""
+    if exc.errno is None or exc.filename is None:
+        return None
+    text = exc.strerror or os.strerror(exc.errno)
+    if exc.errno == errno.ENOSPC:
+        text += " (free some space or write elsewhere)"
+    names = [exc.filename] + ([exc.filename2] if getattr(exc, "filename2", None) else [])
+    return f"{text}: " + " -> ".join(repr(os.fsdecode(n)) if not isinstance(n, int) else str(n) for n in names)
 
 
 def command_module(name: str) -> ModuleType:
@@ -68,18 +98,25 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().parse_args(argv)  # prints help or the "invalid choice" error and exits
         return 2
     name = argv[0]
-    parser = argparse.ArgumentParser(prog=f"megagate {name}", description=COMMANDS[name])
+    parser = OneLineParser(prog=f"megagate {name}", description=COMMANDS[name])
     module = command_module(name)
     module.add_arguments(parser)
     # intermixed: `submit CONFIG key=value --nodes 8 other=1` (overrides between flags) parses as one would expect;
     # argparse cannot intermix a command that has sub-commands of its own (`data inspect`)
     parse = parser.parse_args if parser._subparsers is not None else parser.parse_intermixed_args
-    args = parse(argv[1:])
     try:
+        args = parse(argv[1:])
         return int(module.run(args) or 0)
-    except MegagateError as exc:
-        print(f"megagate {name}: error: {exc}", file=sys.stderr)
-        return 2
+    except (MegagateError, _UsageError) as exc:
+        message = str(exc)
+    except OSError as exc:
+        message = os_error_message(exc)
+        if message is None:  # not about a path the user gave: a bug, keep its traceback
+            raise
+    if "\n" in message or "\r" in message:  # one line whatever the message holds (a multi-line library message)
+        message = " ".join(message.split())
+    print(f"megagate {name}: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ and check the layout for a world size with `layout` (megagate.distributed.layout
 
 from __future__ import annotations
 
+import math
 import os
 import typing
 from collections.abc import Mapping
@@ -30,7 +31,7 @@ import yaml
 
 from megagate.distributed import layout as layout_rules
 from megagate.distributed.layout import Layout
-from megagate.errors import ConfigError
+from megagate.errors import ConfigError, MegagateError
 from megagate.model import gate as gates
 from megagate.model.config import ModelConfig, ParallelConfig
 from megagate.model.config import from_dict as model_from_dict
@@ -44,6 +45,7 @@ LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
 BACKENDS = ("auto", "local", "te")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 OPTIMIZER_FORMATS = ("fully_reshardable", "dp_reshardable")
+SEED_MAX = 2**32 - 1
 
 
 @dataclass(frozen=True)
@@ -210,8 +212,9 @@ def validate(cfg: TrainConfig, *, environment: bool = True) -> None:
     """Checks that need no process group (the world size is checked in `layout`).
 
     `environment=False` skips what depends on the machine the check runs on (Transformer Engine installed, the
-    data files on disk): for a config judged away from where it runs (a container job's submission, an old run's
-    checkpoint); the trainer always checks everything.
+    data files on disk and intact, output/checkpoint/cache folders usable, the data cache intact): for a config
+    judged away from where it runs (a container job's submission, an old run's checkpoint); the trainer always
+    checks everything.
     """
     t, p, m = cfg.train, cfg.parallel, cfg.model
     _choice(t.precision, PRECISIONS, "train.precision")
@@ -227,10 +230,11 @@ def validate(cfg: TrainConfig, *, environment: bool = True) -> None:
         raise ConfigError(
             f"train.seq_length ({t.seq_length}) exceeds model.max_sequence_length ({m.max_sequence_length})"
         )
-    if not 0 <= t.min_lr <= t.lr:
-        raise ConfigError(f"train.min_lr ({t.min_lr}) must be in [0, train.lr ({t.lr})]")
-    if t.warmup_steps < 0 or t.warmup_steps > t.train_steps:
-        raise ConfigError(f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.train_steps ({t.train_steps})]")
+    _check_optimizer(t)
+    _check_cadence(cfg)
+    _check_split(cfg.data.split)
+    if not 0 <= cfg.seed <= SEED_MAX:  # numpy's and megatron's RNG seeds are 32-bit unsigned
+        raise ConfigError(f"seed={cfg.seed} must be in [0, {SEED_MAX}]")
     layout_rules.check_parallel(p, m.num_experts)  # sizes >= 1; VPP, SP and EP rules (megatron's, in one place)
     check_tensor_parallel(
         m.num_attention_heads, m.num_query_groups, p.tensor_model_parallel_size, model="model.", parallel="parallel."
@@ -273,10 +277,113 @@ def validate(cfg: TrainConfig, *, environment: bool = True) -> None:
                     raise ConfigError(
                         f"data.blend: missing data file {base + suffix!r} (preprocess with `megagate preprocess`)"
                     )
+            if environment:  # a truncated or foreign file: refused with its name now, not inside megatron later
+                from megagate.data.indexed import validate as validate_files
+
+                try:
+                    validate_files(base)
+                except MegagateError as exc:
+                    raise ConfigError(f"data.blend: {exc}") from None
         if environment and not os.path.exists(d.tokenizer):
             raise ConfigError(f"data.tokenizer: missing tokenizer file {d.tokenizer!r}")
     if cfg.checkpoint.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
+    if environment:
+        # where the run writes: a file in the way or a read-only folder would fail after the model is built
+        from megagate.data.indexed import check_writable_dir
+
+        for key, path in (
+            ("output.dir", cfg.output.dir),
+            ("checkpoint.dir", cfg.checkpoint_dir),
+            ("data.cache_dir", d.cache_dir),
+            ("data.demo_dir", d.demo_dir if d.demo and not d.blend else None),
+        ):
+            if path is not None:
+                try:
+                    check_writable_dir(path, key)
+                except MegagateError as exc:
+                    raise ConfigError(str(exc)) from None
+        from megagate.data.loader import check_cache_files
+
+        check_cache_files(d.cache_dir or os.path.join(cfg.output.dir, "data_cache"))
+
+
+def _check_optimizer(t: TrainSection) -> None:
+    """The learning-rate schedule and AdamW settings megatron's OptimizerParamScheduler and torch's AdamW accept."""
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr={t.lr} must be positive")
+    if not 0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"train.min_lr ({t.min_lr}) must be in [0, train.lr ({t.lr})]")
+    # megatron's scheduler asserts lr_warmup_steps < lr_decay_steps (= train_steps here)
+    if not 0 <= t.warmup_steps < t.train_steps:
+        raise ConfigError(
+            f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.train_steps ({t.train_steps})): "
+            "warmup must end before the last step"
+        )
+    if t.wsd_decay_steps is not None and not 1 <= t.wsd_decay_steps <= t.train_steps - t.warmup_steps:
+        raise ConfigError(
+            f"train.wsd_decay_steps ({t.wsd_decay_steps}) must be in [1, train.train_steps - train.warmup_steps "
+            f"({t.train_steps - t.warmup_steps})]"
+        )
+    for name, low, high, what in (
+        ("clip_grad", 0.0, None, ">= 0 (0: no clipping)"),
+        ("weight_decay", 0.0, None, ">= 0"),
+        ("adam_beta1", 0.0, 1.0, "in [0, 1)"),
+        ("adam_beta2", 0.0, 1.0, "in [0, 1)"),
+    ):
+        value = getattr(t, name)
+        if value < low or (high is not None and value >= high):
+            raise ConfigError(f"train.{name}={value} must be {what}")
+    if t.adam_eps <= 0:
+        raise ConfigError(f"train.adam_eps={t.adam_eps} must be positive")
+    if t.fp8_amax_history_len < 1:
+        raise ConfigError(f"train.fp8_amax_history_len={t.fp8_amax_history_len} must be >= 1")
+
+
+def _check_cadence(cfg: TrainConfig) -> None:
+    """Intervals and limits: a zero divides by zero or never fires; a negative one means nothing."""
+    t = cfg.train
+    for key, value in (
+        ("train.eval_iters", t.eval_iters),  # the validation loss is a mean over eval_iters batches
+        ("logging.interval", cfg.logging.interval),
+    ):
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
+    for key, value, zero in (
+        ("train.eval_interval", t.eval_interval, "only at the end"),
+        ("checkpoint.interval", cfg.checkpoint.interval, "only at the end and on a stop request"),
+    ):
+        if value < 0:
+            raise ConfigError(f"{key}={value} must be >= 0 (0: {zero})")
+    if t.wall_time_limit is not None and t.wall_time_limit <= 0:
+        raise ConfigError(
+            f"train.wall_time_limit={t.wall_time_limit:g} must be a positive number of seconds (or unset)"
+        )
+    if t.exit_after_steps is not None and t.exit_after_steps < 1:
+        raise ConfigError(f"train.exit_after_steps={t.exit_after_steps} must be >= 1 (or unset)")
+    d = cfg.data
+    if d.demo_vocab_size < 259 or d.demo_max_bytes < 1:
+        raise ConfigError(
+            f"data.demo_vocab_size={d.demo_vocab_size} must be >= 259 and data.demo_max_bytes={d.demo_max_bytes} >= 1"
+        )
+
+
+def _check_split(split: str) -> None:
+    """`train,valid,test` weights as megatron's parse_and_normalize_split reads them, with a training share and a
+    validation share (every completed run evaluates at the end). megatron itself pads missing weights with zeros,
+    asserts non-negative ones and divides by their sum; its regex also reads `a,b` as no weights at all."""
+    expected = "three comma-separated weights train,valid,test, e.g. 969,30,1"
+    try:
+        weights = [float(x) for x in split.replace("/", ",").split(",")]
+    except ValueError:
+        raise ConfigError(f"data.split={split!r} must be {expected}") from None
+    if len(weights) != 3:
+        raise ConfigError(f"data.split={split!r} has {len(weights)} weights; it must be {expected}")
+    if not all(math.isfinite(w) and w >= 0 for w in weights):
+        raise ConfigError(f"data.split={split!r}: the weights must be finite and non-negative, e.g. 969,30,1")
+    if weights[0] <= 0 or weights[1] <= 0:
+        share = "training" if weights[0] <= 0 else "validation"
+        raise ConfigError(f"data.split={split!r} gives no {share} share: the train and valid weights must be positive")
 
 
 def layout(cfg: TrainConfig, world_size: int) -> Layout:

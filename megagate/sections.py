@@ -34,6 +34,7 @@ def refuse_unknown(values: Mapping, allowed: Iterable[str], path: str) -> None:
 
 
 def check_type(value: Any, annotation: Any, path: str) -> Any:
+    """`value` checked against the type hint `annotation` (floats: finite, numeric text accepted); ConfigError."""
     origin = typing.get_origin(annotation)
     if origin in (Union, types.UnionType):
         args = typing.get_args(annotation)
@@ -57,11 +58,18 @@ def check_type(value: Any, annotation: Any, path: str) -> Any:
             raise ConfigError(f"{path}={value!r} must be an integer")
         return value
     if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        number = value
+        if isinstance(value, str):
+            # YAML 1.1 reads 3e-4 (no dot) as a string: a number written as text is the number
+            try:
+                number = float(value)
+            except ValueError:
+                raise ConfigError(f"{path}={value!r} must be a number") from None
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
             raise ConfigError(f"{path}={value!r} must be a number")
-        if not math.isfinite(value):  # YAML's .inf / .nan: no setting of the trainer means anything with them
+        if not math.isfinite(number):  # YAML's .inf / .nan: no setting of the trainer means anything with them
             raise ConfigError(f"{path}={value!r} must be a finite number")
-        return float(value)
+        return float(number)
     if annotation is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}={value!r} must be a string")

@@ -16,6 +16,8 @@ from megagate.errors import ConfigError
 def load_mapping(path: str | os.PathLike) -> dict:
     """The YAML mapping in `path` ({} for an empty file); ConfigError if missing, not YAML, or not a mapping."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path!r} is a folder, not a YAML file")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
     try:
@@ -23,6 +25,10 @@ def load_mapping(path: str | os.PathLike) -> dict:
             data = yaml.safe_load(f)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path!r} is not valid YAML: {' '.join(str(exc).split())}") from None
+    except UnicodeDecodeError as exc:  # a binary file, or text in another encoding
+        raise ConfigError(
+            f"config file {path!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

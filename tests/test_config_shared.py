@@ -147,7 +147,7 @@ CASES = [
         ["train.warmup_steps=100"],
         1,
         1,
-        "train.warmup_steps (100) must be in [0, train.train_steps (60)]",
+        "train.warmup_steps (100) must be in [0, train.train_steps (60)): warmup must end before the last step",
     ),
     ("min-lr", None, ["train.min_lr=0.1"], 1, 1, "train.min_lr (0.1) must be in [0, train.lr (0.003)]"),
     (

@@ -37,8 +37,11 @@ def inspect_prefix(prefix: str, tokenizer: str | None = None, document: int = 0,
     from megagate.data.indexed import read_document, strip_suffix, validate
 
     prefix = strip_suffix(prefix)
+    require(max_chars >= 0, f"--max-chars {max_chars}: must be >= 0", MegagateError)
+    if os.path.isdir(prefix) and not os.path.exists(prefix + ".idx"):
+        raise MegagateError(f"{prefix}: a folder, not a dataset prefix (give PREFIX for PREFIX.bin and PREFIX.idx)")
     meta_path = prefix + ".meta.json"
-    meta = json.load(open(meta_path)) if os.path.isfile(meta_path) else {}
+    meta = _read_meta(meta_path)
     tok = None
     tok_path = tokenizer or meta.get("tokenizer")
     if tok_path:
@@ -79,6 +82,20 @@ def inspect_prefix(prefix: str, tokenizer: str | None = None, document: int = 0,
             if tok.eod is not None:
                 stats["documents_ending_in_eod"] = _count_ending(prefix, info["dtype"], lengths, tok.eod)
     return stats
+
+
+def _read_meta(path: str) -> dict:
+    """The dataset's `.meta.json` written by `megagate preprocess` ({} if absent); one line naming it if damaged."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MegagateError(f"{path}: not a JSON metadata file ({exc}); delete it or pass --tokenizer") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("tokenizer", ""), str):
+        raise MegagateError(f"{path}: not the metadata `megagate preprocess` writes; delete it or pass --tokenizer")
+    return meta
 
 
 def _count_ending(prefix: str, dtype, lengths: np.ndarray, eod: int) -> int:

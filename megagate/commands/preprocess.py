@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -51,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from megagate.data.preprocess import TokenizerSpec, preprocess
 
+    if not math.isfinite(args.chunk_mb) or args.chunk_mb <= 0:
+        raise MegagateError(f"--chunk-mb {args.chunk_mb}: must be a positive number of megabytes")
     spec = TokenizerSpec(args.tokenizer, args.engine, args.eod_token, None, args.tiktoken_pattern)
     main_pid = os.getpid()
 

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args) -> int:
-    from megagate.data.tokenizer import EOD_TOKEN, PAD_TOKEN, train_bpe
+    from megagate.data.tokenizer import EOD_TOKEN, PAD_TOKEN, NoTrainingText, train_bpe
 
     out = Path(args.output)
     if out.is_dir() or not out.suffix:
@@ -66,7 +66,15 @@ def _train(args) -> int:
     stats: dict = {}
     specials = args.special_tokens or [EOD_TOKEN, PAD_TOKEN]
     texts = iter_texts(args.input, args.json_keys, args.text_mode, stats)
-    path = train_bpe(texts, out, vocab_size=args.vocab_size, min_frequency=args.min_frequency, special_tokens=specials)
+    try:
+        path = train_bpe(
+            texts, out, vocab_size=args.vocab_size, min_frequency=args.min_frequency, special_tokens=specials
+        )
+    except NoTrainingText:
+        first = f", first: {stats['first_bad']}" if stats.get("bad") else ""
+        raise MegagateError(
+            f"no valid texts in {', '.join(args.input)} ({stats.get('bad', 0)} bad records{first}); {out} not written"
+        ) from None
     if stats.get("bad"):
         print(f"skipped {stats['bad']} bad records (first: {stats['first_bad']})", file=sys.stderr)
     from megagate.data.tokenizer import load_tokenizer
@@ -90,8 +98,9 @@ def _verify(args) -> int:
         raise ConfigError(
             f"{args.tokenizer}: the fast engine cannot express this vocabulary ({exc}); the hf engine will be used"
         ) from None
-    except (OSError, ValueError) as exc:
-        raise MegagateError(f"{args.tokenizer}: cannot read ({exc})") from None
+    except (OSError, ValueError) as exc:  # missing, not JSON, or JSON of another shape
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise MegagateError(f"{args.tokenizer}: not a readable tokenizer.json ({reason})") from None
     bad = verify_vocabulary(args.tokenizer, fast, probe_step=max(1, args.probe_step))
     hf = HFTokenizer(args.tokenizer)
     n_docs = n_tok = 0

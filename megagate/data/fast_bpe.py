@@ -98,7 +98,10 @@ class FastBPE:
     @classmethod
     def from_tokenizer_json(cls, path: str | os.PathLike) -> FastBPE:
         with open(path, encoding="utf-8") as f:
-            spec = json.load(f)
+            spec = json.load(f)  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        model = spec.get("model") if isinstance(spec, dict) else None
+        if not isinstance(model, dict) or not isinstance(model.get("vocab"), dict):
+            raise ValueError("no model mapping with a vocab")
         return cls.from_spec(spec)
 
     @classmethod

@@ -19,8 +19,10 @@ file and writes pointers in numpy blocks, so memory stays bounded, and produces 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +49,39 @@ _BLOCK = 1 << 20  # sequences per numpy block when writing the index
 def token_dtype(vocab_size: int) -> type[np.number]:
     """Smallest dtype megatron reads for these ids: uint16 up to 65536 ids, else int32 (GPTDatasetConfig's rule)."""
     return np.uint16 if vocab_size <= 65536 else np.int32
+
+
+def check_writable_dir(path: str | os.PathLike, what: str) -> None:
+    """MegagateError unless `path` is, or can be created as, a folder this process may write into.
+
+    Walks up to the first existing ancestor: that one must be a folder (not a file) and writable (os.access, so a
+    read-only file system counts too). `what` names the setting or flag in the message, e.g. "output.dir".
+    """
+    path = os.path.abspath(os.fspath(path))
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        where = "is a file" if probe == path else f"is under {probe!r}, which is a file"
+        raise MegagateError(f"{what} {path!r} {where}, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        where = "" if probe == path else f" (its first existing folder {probe!r} is not)"
+        raise MegagateError(f"{what} {path!r} is not writable{where}")
+
+
+@contextlib.contextmanager
+def name_write_errors(path: str) -> Iterator[None]:
+    """Give a write error without a file name (a full disk on write or flush) the name of the file being written
+    (the final name: the temporary one is removed on the way out)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), path) from exc
+        raise
 
 
 def tmp_name(path: str | os.PathLike) -> str:
@@ -91,7 +126,12 @@ class IndexedWriter:
         self.idx_tmp = tmp_name(self.prefix + ".idx")
         self.len_tmp = tmp_name(self.prefix + ".lengths")
         self._bin = open(self.bin_tmp, "wb")
-        self._len = open(self.len_tmp, "wb")
+        try:
+            self._len = open(self.len_tmp, "wb")
+        except BaseException:
+            self._bin.close()
+            Path(self.bin_tmp).unlink(missing_ok=True)
+            raise
         self.documents = 0
         self.tokens = 0
         self.max_length = 0
@@ -104,8 +144,10 @@ class IndexedWriter:
             raise ValueError("documents must hold at least one token")  # a programming error, not user input
         if tokens.dtype != self.dtype:
             tokens = tokens.astype(self.dtype)
-        self._bin.write(tokens.tobytes())
-        self._len.write(np.asarray(lengths, dtype=np.int32).tobytes())
+        with name_write_errors(self.prefix + ".bin"):
+            self._bin.write(tokens.tobytes())
+        with name_write_errors(self.prefix + ".idx"):
+            self._len.write(np.asarray(lengths, dtype=np.int32).tobytes())
         self.documents += len(lengths)
         self.tokens += int(tokens.size)
         self.max_length = max(self.max_length, int(lengths.max()))
@@ -115,8 +157,22 @@ class IndexedWriter:
 
     def finalize(self) -> tuple[str, str]:
         """Write the index, then rename `.bin` and `.idx` (in that order) to their final names."""
-        self._bin.close()
-        self._len.close()
+        self.write_index()
+        return self.commit()
+
+    def write_index(self) -> None:
+        """Close the token file and write the complete index, both still under their temporary names (a full disk
+        fails here, before any final name exists)."""
+        with name_write_errors(self.prefix + ".bin"):
+            self._bin.flush()
+            os.fsync(self._bin.fileno())
+            self._bin.close()
+        with name_write_errors(self.prefix + ".idx"):
+            self._len.close()
+        with name_write_errors(self.prefix + ".idx"):
+            self._write_index_file()
+
+    def _write_index_file(self) -> None:
         n = self.documents
         itemsize = self.dtype.itemsize
         with open(self.idx_tmp, "wb") as out, open(self.len_tmp, "rb") as lens:
@@ -136,6 +192,9 @@ class IndexedWriter:
             out.flush()
             os.fsync(out.fileno())
         os.unlink(self.len_tmp)
+
+    def commit(self) -> tuple[str, str]:
+        """Rename the written `.bin` and `.idx` (in that order) to their final names."""
         final_bin, final_idx = self.prefix + ".bin", self.prefix + ".idx"
         # An old .idx next to a new .bin would look finished: drop it before anything is renamed.
         Path(final_idx).unlink(missing_ok=True)

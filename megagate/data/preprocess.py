@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megagate.data.indexed import IndexedWriter, token_dtype
+from megagate.data.indexed import IndexedWriter, check_writable_dir, name_write_errors, token_dtype
 from megagate.data.readers import (
     TEXT_MODES,
     BadLine,
@@ -196,6 +196,8 @@ def preprocess(
     require(chunk_bytes >= 1024, f"chunk_bytes={chunk_bytes}: must be at least 1024")
     require(text_mode in TEXT_MODES, f"text mode {text_mode!r}: allowed values are {', '.join(TEXT_MODES)}")
     files = expand_inputs(inputs)
+    prefix_dir = os.path.dirname(os.path.abspath(output_prefix))
+    check_writable_dir(prefix_dir, f"output prefix {output_prefix!r}: folder")
     if len(keys) > 1:
         text_files = [str(f) for f in files if input_kind(f) == "text"]
         require(
@@ -206,6 +208,9 @@ def preprocess(
     dtype = token_dtype(tok.vocab_size)
     prefixes = {k: output_prefix_for(output_prefix, k) for k in keys}
     for p in prefixes.values():
+        for suffix in (".bin", ".idx", ".meta.json"):
+            if os.path.isdir(p + suffix):
+                raise ConfigError(f"output {p + suffix!r} is a folder; choose another --output-prefix")
         for suffix in (".bin", ".idx"):
             if os.path.exists(p + suffix) and not overwrite:
                 raise ConfigError(f"output {p + suffix!r} already exists; pass --overwrite to replace it")
@@ -216,9 +221,12 @@ def preprocess(
     reasons: Counter = Counter()
     chunks = iter_chunks(files, text_mode, chunk_bytes, on_progress=lambda b: reader_pos.__setitem__(0, b))
     writers: dict[str, IndexedWriter] = {}
+    metas: list[tuple[Path, Path]] = []
+    skipped: list[str] = []  # the first bad records' messages: printed once a document is kept (else in the error)
     pool = None
     try:
-        writers = {k: IndexedWriter(p, dtype) for k, p in prefixes.items()}
+        for k, p in prefixes.items():  # one at a time: a failure on the second still aborts the first
+            writers[k] = IndexedWriter(p, dtype)
         if workers == 0:
             _init_worker(spec, keys, append_eod, dtype, threads=True)
             results: Iterator[ChunkResult] = map(_work, chunks)
@@ -234,31 +242,49 @@ def preprocess(
                 if bad_lines == "error":
                     raise MegagateError(f"bad input record {bad} (pass --bad-lines skip to skip such records)")
                 if result.bad_lines < max_reported:
-                    log(f"skipped {bad}")
+                    skipped.append(f"skipped {bad}")
                 result.bad_lines += 1
             for key, (tokens, lengths) in zip(keys, res.per_key):
                 writers[key].add_documents(tokens, lengths)
                 result.tokens[key] += int(tokens.size)
             result.documents += res.documents
+            if result.documents and skipped:
+                for line in skipped:
+                    log(line)
+                skipped.clear()
             result.text_bytes += res.text_bytes
             result.blank_lines += res.blank
+            if not result.documents:  # nothing kept yet: no display (an input that fails at once prints one line)
+                continue
             prog.update(
                 docs=res.documents,
                 tokens=sum(int(t.size) for t, _ in res.per_key),
-                text_bytes=res.text_bytes,
-                bad=len(res.bad),
+                text_bytes=result.text_bytes - prog.text_bytes,  # with what came before the first kept document
+                bad=result.bad_lines - prog.bad,
                 disk_done=reader_pos[0],
             )
         if result.documents == 0:
+            first = f", first: {skipped[0].removeprefix('skipped ')}" if skipped else ""
             raise MegagateError(
-                f"no valid documents in {', '.join(map(str, inputs))} ({result.bad_lines} bad records); nothing written"
+                f"no valid documents in {', '.join(map(str, inputs))} ({result.bad_lines} bad records{first}); "
+                "nothing written"
             )
+        # Everything is written under temporary names first (a full disk fails here), then renamed: no output of
+        # any key appears unless all of them are complete.
         for key, w in writers.items():
-            w.finalize()
-            _write_meta(prefixes[key], spec, tok, key, append_eod, w)
+            w.write_index()
+            metas.append(_write_meta(prefixes[key], spec, tok, key, append_eod, w))
+        for w in writers.values():
+            w.commit()
+        for tmp, path in metas:
+            os.replace(tmp, path)
     except BaseException:
+        if prog.enabled and prog.tty and prog.last_draw:  # end the redrawn progress line before the error message
+            prog.stream.write("\n")
         for w in writers.values():
             w.abort()
+        for tmp, _ in metas:
+            tmp.unlink(missing_ok=True)
         raise
     finally:
         if pool is not None:
@@ -273,7 +299,10 @@ def preprocess(
     return result
 
 
-def _write_meta(prefix: str, spec: TokenizerSpec, tok, key: str, append_eod: bool, w: IndexedWriter) -> None:
+def _write_meta(
+    prefix: str, spec: TokenizerSpec, tok, key: str, append_eod: bool, w: IndexedWriter
+) -> tuple[Path, Path]:
+    """Write `<prefix>.meta.json` under a temporary name; (temporary, final) path for the caller to rename."""
     meta = {
         "tokenizer": os.path.abspath(spec.path),
         "tokenizer_sha256": tok.fingerprint(),
@@ -287,5 +316,12 @@ def _write_meta(prefix: str, spec: TokenizerSpec, tok, key: str, append_eod: boo
     }
     path = Path(prefix + ".meta.json")
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        with name_write_errors(str(path)), open(tmp, "w") as f:
+            f.write(json.dumps(meta, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp, path

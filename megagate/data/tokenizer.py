@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megagate.data.indexed import check_writable_dir
 from megagate.errors import ConfigError, MegagateError, require
 
 EOD_TOKEN = "<|endoftext|>"
@@ -310,6 +311,10 @@ def load_tokenizer(
         return HFTokenizer(str(path), eod_token, pad_token)
 
 
+class NoTrainingText(MegagateError):
+    """`train_bpe` got no texts at all (empty inputs, or only bad records)."""
+
+
 def train_bpe(
     texts: Iterable[str],
     out_path: str | os.PathLike,
@@ -317,7 +322,10 @@ def train_bpe(
     min_frequency: int = 2,
     special_tokens: Sequence[str] = (EOD_TOKEN, PAD_TOKEN),
 ) -> Path:
-    """Train a byte-level BPE on `texts` and save `tokenizer.json` atomically at `out_path`."""
+    """Train a byte-level BPE on `texts` and save `tokenizer.json` atomically at `out_path`.
+
+    Raises `NoTrainingText` (nothing written) when `texts` is empty.
+    """
     from tokenizers import Tokenizer as _HF
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -337,12 +345,25 @@ def train_bpe(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer=trainer)
     out_path = Path(out_path)
+    check_writable_dir(out_path.parent, f"tokenizer output {str(out_path)!r}: folder")
+    counted = [0]
+
+    def counting(items: Iterable[str]) -> Iterable[str]:
+        for text in items:
+            counted[0] += 1
+            yield text
+
+    tok.train_from_iterator(counting(texts), trainer=trainer)
+    if counted[0] == 0:  # HF would save a tokenizer of the 256 bytes and the special tokens alone
+        raise NoTrainingText("no text to train on; nothing written")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
     try:
-        tok.save(str(tmp))
+        try:
+            tok.save(str(tmp))
+        except Exception as exc:  # the Rust library raises a bare Exception ("No space left on device (os error 28)")
+            raise MegagateError(f"cannot write {str(out_path)!r}: {exc}") from None
         os.replace(tmp, out_path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -51,8 +51,17 @@ def load_run(run_dir: str | Path) -> RunResult:
         raise MegagateError(
             f"{run_dir}: no {runfiles.METRICS} train lines and no {runfiles.SUMMARY}: not a run directory"
         )
-    curve = [(int(r["step"]), float(r["loss"])) for r in train]
-    final_loss = float(summary["final_loss"]) if "final_loss" in summary else (curve[-1][1] if curve else math.nan)
+    metrics_path, summary_path = run_dir / runfiles.METRICS, run_dir / runfiles.SUMMARY
+    curve = [
+        (_number(r.get("step"), int, metrics_path, "step"), _number(r["loss"], float, metrics_path, "loss"))
+        for r in train
+    ]
+    if "final_loss" in summary:
+        final_loss = _number(summary["final_loss"], float, summary_path, "final_loss")
+    else:
+        final_loss = curve[-1][1] if curve else math.nan
+    if "steps" in summary:
+        _number(summary["steps"], int, summary_path, "steps")
     if "diverged" in summary:
         diverged = bool(summary["diverged"])
     else:  # a run without a summary (crashed or still running): judge from its curve
@@ -63,7 +72,10 @@ def load_run(run_dir: str | Path) -> RunResult:
     valid_ppl = None
     if valid:
         last = valid[-1]
-        valid_ppl = float(last["ppl"]) if "ppl" in last else math.exp(float(last["loss"]))
+        key = "ppl" if "ppl" in last else "loss"
+        value = _number(last.get(key), float, metrics_path, f"valid {key}")
+        valid_ppl = value if key == "ppl" else math.exp(min(value, 709.0))  # exp overflows past 709
+    spike_steps = {_number(e.get("step"), int, run_dir / runfiles.EVENTS, "step") for e in events}
     result = RunResult(
         name=run_dir.name,
         run_dir=str(run_dir),
@@ -73,20 +85,34 @@ def load_run(run_dir: str | Path) -> RunResult:
         steps=int(summary.get("steps", curve[-1][0] if curve else 0)),
         final_loss=final_loss,
         valid_ppl=valid_ppl,
-        num_spikes=len({int(e["step"]) for e in events}),
+        num_spikes=len(spike_steps),
         diverged=diverged,
         curve=curve,
-        spike_steps=sorted({int(e["step"]) for e in events}),
+        spike_steps=sorted(spike_steps),
     )
-    diags = runfiles.read_jsonl(run_dir / runfiles.DIAGNOSTICS)
+    diags_path = run_dir / runfiles.DIAGNOSTICS
+    diags = runfiles.read_jsonl(diags_path)
     if diags:
-        last_step = max(int(d["step"]) for d in diags)
-        layers = [d for d in diags if int(d["step"]) == last_step]
-        result.f_attn = statistics.fmean(float(d["f_attn"]) for d in layers)
-        result.m_act = max(float(d["m_act"]) for d in layers)
-        gates = [float(d["gate_score_mean"]) for d in layers if d.get("gate_score_mean") is not None]
+        steps = [_number(d.get("step"), int, diags_path, "step") for d in diags]
+        layers = [d for d, step in zip(diags, steps) if step == max(steps)]
+        result.f_attn = statistics.fmean(_number(d.get("f_attn"), float, diags_path, "f_attn") for d in layers)
+        result.m_act = max(_number(d.get("m_act"), float, diags_path, "m_act") for d in layers)
+        gates = [
+            _number(d["gate_score_mean"], float, diags_path, "gate_score_mean")
+            for d in layers
+            if d.get("gate_score_mean") is not None
+        ]
         result.gate_score = statistics.fmean(gates) if gates else None
     return result
+
+
+def _number(value: Any, kind: type, path: Path, key: str) -> Any:
+    """`value` as an int or float, or a one-line MegagateError naming the file, the key and the value."""
+    whole = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and value.is_integer())
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not whole):
+        shown = "missing" if value is None else repr(value)
+        raise MegagateError(f"{path}: {key} {shown} is not {'an integer' if kind is int else 'a number'}")
+    return kind(value)
 
 
 def _float(x: Any) -> float | None:
@@ -229,6 +255,10 @@ def plot_final_loss_vs_lr(results: Sequence[RunResult], path: str | Path) -> Pat
 
 def report(run_dirs: Sequence[str | Path], out_dir: str | Path | None = None) -> str:
     """Load the runs, return the table; with `out_dir`, also write the plots (and the table as report.txt)."""
+    if out_dir is not None:  # refuse an unusable --out before reading anything
+        from megagate.data.indexed import check_writable_dir
+
+        check_writable_dir(out_dir, "--out")
     results = [load_run(p) for p in find_runs(run_dirs)]
     results.sort(key=lambda r: (r.variant, r.lr if r.lr is not None else math.inf, r.seed or 0, r.name))
     text = table(results)

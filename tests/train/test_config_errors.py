@@ -1,4 +1,8 @@
-"""Bad training configs: one line naming the value, a non-zero exit, no traceback, nothing trained."""
+"""Bad training configs: one line naming the value, a non-zero exit, no traceback, nothing trained.
+
+The table of one-line refusals of every command is tests/test_bad_inputs.py; here: the real process's exit code, and
+the refusals that depend on the machine (Transformer Engine installed) or print a plan.
+"""
 
 import subprocess
 import sys
@@ -11,51 +15,6 @@ from megagate.model.spec import transformer_engine_available
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "examples" / "tiny_cpu.yaml")
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["train.colour=red"], "train.colour is not a known key; allowed:"),
-        (["train.micro_batch_size=two"], "train.micro_batch_size='two' must be an integer"),
-        (["train.lr=[1]"], "train.lr=[1] must be a number"),
-        (
-            ["parallel.tensor_model_parallel_size=3"],
-            "model.num_attention_heads (4) must be divisible by parallel.tensor_model_parallel_size (3)",
-        ),
-        (
-            ["train.global_batch_size=10", "--world-size", "2"],
-            "train.global_batch_size (10) must be divisible by micro_batch_size (4) x data-parallel size (2) = 8",
-        ),
-        (
-            ["data.demo=false", "data.blend=[/nonexistent/corpus]", "data.tokenizer=t.json"],
-            "data.blend: missing data file '/nonexistent/corpus.bin'",
-        ),
-        (
-            ["parallel.tensor_model_parallel_size=2", "--world-size", "3"],
-            "world size 3 is not divisible by TP (2) x PP (1) x CP (1) = 2",
-        ),
-        (
-            ["model.gate.position=g5", "model.gate.granularity=headwise"],
-            "gate.granularity='headwise' is invalid with gate.position='g5'",
-        ),
-        (["parallel.expert_model_parallel_size=2"], "needs an MoE model"),
-        (["colours.x=1"], "colours is not a config section"),
-        (["monitor.spike.treshold=3"], "monitor.spike.treshold is not a known key; allowed: abs_ceiling, action,"),
-        (["monitor.faults=[{step: 3, kind: melt}]"], "monitor.faults[0].kind='melt' is not one of corrupt_batch,"),
-        (
-            ["monitor.faults=[{step: 3, kind: nan_grad, strength: 2}]"],
-            "monitor.faults[0].strength is not a known key; allowed: factor, kind, step",
-        ),
-        (["monitor.diagnostics.every=5"], "monitor.diagnostics.every is not a known key; allowed: interval"),
-        (["monitor.alarm=1"], "monitor.alarm is not a known key; allowed: diagnostics, faults, spike"),
-    ],
-)
-def test_bad_config_is_one_line(capsys, args, message):
-    assert main(["train", "--config", CONFIG, "--dry-run", *args]) == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err
-    assert len(err.splitlines()) == 1 and "Traceback" not in err
 
 
 @pytest.mark.skipif(transformer_engine_available(), reason="Transformer Engine is installed")
