@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("megagate.data",),
     ("megagate.monitor",),
     ("megagate.config",),
+    ("megagate.plan",),
     ("megagate.train",),
     ("megagate.slurm",),
     ("megagate.commands", "megagate.cli", "megagate.__main__"),

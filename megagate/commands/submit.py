@@ -13,6 +13,7 @@ import sys
 
 from megagate.distributed.layout import Layout
 from megagate.errors import ConfigError
+from megagate.plan import Plan, plan
 from megagate.slurm.check import check_job
 from megagate.slurm.render import render_batch_script
 from megagate.slurm.request import LAUNCHERS, SlurmRequest
@@ -88,6 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     r.add_argument("--log-dir", default="logs")
     r.add_argument("--master-addr", default=None, help="rendezvous host (default: first node)")
+    m = parser.add_argument_group("memory plan (megagate plan)")
+    m.add_argument("--gpu", default="h100-sxm", help="the nodes' GPU, for the memory plan (see megagate plan --help)")
+    m.add_argument(
+        "--ignore-memory-plan",
+        action="store_true",
+        help="submit even if the plan predicts the job does not fit in GPU memory",
+    )
     parser.add_argument("--script-out", default=None, help="where to write the script (default under run dir)")
     parser.add_argument("--dry-run", action="store_true", help="print the script; do not submit")
 
@@ -150,23 +158,44 @@ def render_for_config(
     *,
     command: str = DEFAULT_COMMAND,
     launcher: str = "srun",
-) -> tuple[Layout, str]:
-    """Check the config and its layout as the trainer will, then render the script. Nothing is written."""
-    _, layout = check_job(request, config_path, overrides)
+    gpu: str = "h100-sxm",
+    memory_plan: bool = True,
+) -> tuple[Layout, str, Plan | None]:
+    """Check the config and its layout as the trainer will, and (GPU jobs, `memory_plan`) that the plan predicts it
+    fits in `gpu`'s memory; then render the script. (layout, script, the plan of a GPU job); nothing is written."""
+    cfg, layout = check_job(request, config_path, overrides)
+    predicted = None
+    if request.gpus_per_node > 0:
+        predicted = plan(cfg, request.world_size, gpu, gpus_per_node=request.gpus_per_node)
+        if memory_plan and not predicted.fits:
+            raise ConfigError(
+                f"{predicted.refusal()}; see `megagate plan {config_path} --nodes {request.nodes} --gpus-per-node "
+                f"{request.gpus_per_node} --gpu {gpu} --search`, or pass --ignore-memory-plan"
+            )
     script = render_batch_script(
         request,
         train_argv(command, config_path, overrides),
         launcher=launcher,
         header=f"config: {config_path}\nlayout: {layout.describe()}\nbatch: {layout.describe_batch()}",
     )
-    return layout, script
+    return layout, script, predicted
 
 
 def run(args: argparse.Namespace) -> int:
     request = request_from_args(args)
-    _, script = render_for_config(request, args.config, args.overrides, command=args.command, launcher=args.launcher)
+    _, script, predicted = render_for_config(
+        request,
+        args.config,
+        args.overrides,
+        command=args.command,
+        launcher=args.launcher,
+        gpu=args.gpu,
+        memory_plan=not args.ignore_memory_plan,
+    )
     print(script, end="")
     if args.dry_run:
+        if predicted is not None:  # the plan's table, on stderr: stdout stays the script
+            print(f"memory plan:\n{predicted.table()}", file=sys.stderr)
         return 0
     job_id = submit(request, script, script_path=args.script_out)
     print(f"Submitted batch job {job_id}", file=sys.stderr)

@@ -1,0 +1,78 @@
+"""The accelerator table: memory, dense peak FLOP/s and link bandwidths, for the planner and the trainer's MFU.
+
+Figures are the vendors' datasheet numbers for dense (not 2:4-sparse) tensor-core math. Bandwidths are per GPU and
+per direction: NVLink/NVSwitch (or PCIe where a part has no NVLink) inside a node, and the node's InfiniBand/RoCE
+share per GPU between nodes (one 400 Gb/s NIC per GPU = 50 GB/s is the usual H100/H200/B200 build, 200 Gb/s on the
+A100 generation, 100 Gb/s for the PCIe parts). Override them on the command line when a cluster differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megagate.errors import ConfigError
+
+GB = 1e9
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator model."""
+
+    name: str
+    memory_bytes: int
+    bf16_tflops: float  # dense peak
+    fp8_tflops: float | None  # dense peak; None where the part has no FP8 tensor cores
+    intra_node_gbs: float  # GB/s per GPU per direction (NVLink, or PCIe)
+    inter_node_gbs: float  # GB/s per GPU per direction (the node's IB/RoCE share)
+    aliases: tuple[str, ...] = ()  # substrings of torch.cuda.get_device_name() that identify it
+
+    def peak_tflops(self, precision: str) -> float:
+        """The dense peak for a training precision (fp32 runs on TF32 tensor cores at half the bf16 rate)."""
+        if precision == "fp8":
+            return self.fp8_tflops or self.bf16_tflops
+        if precision == "fp32":
+            return self.bf16_tflops / 2
+        return self.bf16_tflops
+
+
+DEVICES: dict[str, Device] = {
+    d.name: d
+    for d in (
+        Device("h100-sxm", 80 * GB, 989.0, 1979.0, 450.0, 50.0, ("H100 80GB HBM3", "H100 SXM")),
+        Device("h100-pcie", 80 * GB, 756.0, 1513.0, 64.0, 25.0, ("H100 PCIe",)),
+        Device("h100-nvl", 94 * GB, 835.0, 1671.0, 300.0, 50.0, ("H100 NVL",)),
+        Device("h200", 141 * GB, 989.0, 1979.0, 450.0, 50.0, ("H200",)),
+        Device("h20", 96 * GB, 148.0, 296.0, 450.0, 50.0, ("H20",)),
+        Device("gh200", 96 * GB, 989.0, 1979.0, 450.0, 50.0, ("GH200",)),
+        Device("a100-40gb", 40 * GB, 312.0, None, 300.0, 25.0, ("A100-SXM4-40GB", "A100-PCIE-40GB")),
+        Device("a100-80gb", 80 * GB, 312.0, None, 300.0, 25.0, ("A100-SXM4-80GB", "A100 80GB", "A100-PCIE-80GB")),
+        Device("b200", 180 * GB, 2250.0, 4500.0, 900.0, 50.0, ("B200",)),
+        Device("gb200", 186 * GB, 2500.0, 5000.0, 900.0, 50.0, ("GB200",)),
+        Device("l40s", 48 * GB, 362.0, 733.0, 32.0, 12.5, ("L40S",)),
+        Device("l40", 48 * GB, 181.0, 362.0, 32.0, 12.5, ("L40",)),
+    )
+}
+
+
+def device(name: str) -> Device:
+    """The device called `name` (case-insensitive; "h100" means the SXM part), or a one-line ConfigError."""
+    key = name.lower().replace("_", "-").replace(" ", "-")
+    key = {"h100": "h100-sxm", "a100": "a100-80gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb"}.get(key, key)
+    if key not in DEVICES:
+        raise ConfigError(f"--gpu {name!r} is not a known device; known: {', '.join(DEVICES)}")
+    return DEVICES[key]
+
+
+def from_cuda_name(cuda_name: str) -> Device | None:
+    """The table entry of a `torch.cuda.get_device_name()` string, when known (longest alias wins: "H100 NVL" over
+    "H100", "L40S" over "L40")."""
+    best: tuple[int, Device] | None = None
+    for d in DEVICES.values():
+        for alias in d.aliases:
+            if alias in cuda_name and (best is None or len(alias) > best[0]):
+                best = (len(alias), d)
+    if best is None and "H100" in cuda_name:  # an H100 the aliases do not spell out: assume the SXM part
+        return DEVICES["h100-sxm"]
+    return best[1] if best else None

@@ -1,0 +1,76 @@
+"""The layout search: every layout (TP, PP, VPP, EP, micro-batch, recompute) that fits, ranked by step time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megagate.config import TrainConfig
+from megagate.errors import ConfigError
+from megagate.plan.core import Plan, plan, with_overrides
+
+RECOMPUTE = (
+    {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None},
+    {"recompute_granularity": "selective", "recompute_method": None, "recompute_num_layers": None},
+    {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    label: str
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in (1, 2, 4, 8, 16, 32, 64, 128) if d <= limit and n % d == 0]
+
+
+def search(
+    cfg: TrainConfig, world_size: int, gpu: str, *, gpus_per_node: int = 8, **plan_kwargs: object
+) -> list[Candidate]:
+    """The fitting layouts of cfg's model on world_size GPUs, fastest first (TP within a node, SP whenever TP > 1)."""
+    m = cfg.model
+    out = []
+    for tp in _divisors(m.num_query_groups, gpus_per_node):
+        for pp in _divisors(m.num_layers, m.num_layers):
+            for vpp in [None] + ([v for v in (2, 3, 4, 6) if m.num_layers % (pp * v) == 0] if pp > 1 else []):
+                for ep in _divisors(m.num_experts, world_size) if m.is_moe else [1]:
+                    for mbs in (1, 2, 4):
+                        for rc in RECOMPUTE:
+                            try:
+                                c = with_overrides(
+                                    cfg,
+                                    tensor_model_parallel_size=tp,
+                                    pipeline_model_parallel_size=pp,
+                                    virtual_pipeline_model_parallel_size=vpp,
+                                    expert_model_parallel_size=ep,
+                                    sequence_parallel=tp > 1,
+                                    micro_batch_size=mbs,
+                                    **rc,
+                                )
+                                p = plan(c, world_size, gpu, gpus_per_node=gpus_per_node, **plan_kwargs)
+                            except ConfigError:
+                                continue  # not a layout megatron accepts for this world / batch
+                            if p.fits:
+                                label = (
+                                    f"TP{tp} PP{pp}"
+                                    + (f" VPP{vpp}" if vpp else "")
+                                    + (f" EP{ep}" if m.is_moe else "")
+                                    + f" mbs{mbs} recompute={rc['recompute_granularity'] or 'none'}"
+                                )
+                                out.append(Candidate(p, label))
+    return sorted(out, key=lambda c: c.plan.time.total)
+
+
+def format_search(cands: list[Candidate], top: int = 15) -> str:
+    """One line per fitting layout: step time, tokens/s and the peak memory."""
+    if not cands:
+        return "no layout fits"
+    lines = [f"{'rank':>4s}  {'layout':48s} {'step s':>7s} {'tokens/s':>11s} {'peak GB':>8s}"]
+    for i, c in enumerate(cands[:top], 1):
+        t = c.plan.cfg.train
+        lines.append(
+            f"{i:>4d}  {c.label:48s} {c.plan.time.total:7.2f} {t.global_batch_size * t.seq_length / c.plan.time.total:11,.0f} "
+            f"{c.plan.peak.total / 1e9:8.1f}"
+        )
+    return "\n".join(lines)
