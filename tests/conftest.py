@@ -76,6 +76,11 @@ def session_leftovers() -> dict[int, str]:
             found.add(pid)
             todo.extend(children.get(pid, []))
     found |= {pid for pid in table if pid != me and _has_marker(pid)}
+    # this process's own multiprocessing resource tracker (started by an in-process DataLoader worker, say) is no
+    # leak: it exits when its pipe to this process closes, after the session
+    from multiprocessing import resource_tracker
+
+    found.discard(getattr(resource_tracker._resource_tracker, "_pid", None))
     out = {}
     for pid in found:
         if pid not in table or table[pid][1] in ("Z", "X"):  # gone, or a zombie waiting to be reaped

@@ -88,7 +88,7 @@ class Run:
 
     def hooks(self) -> list[tuple]:
         """(hook, step or None) of every hook call HookLog saw, in order."""
-        return [tuple(r) for r in read_jsonl(self.dir / "hooks.jsonl")]
+        return [(r["hook"], r["step"]) for r in read_jsonl(self.dir / "hooks.jsonl")]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -175,7 +175,7 @@ def _test_callbacks(job: dict, out: Path) -> list[Any]:
                 torch.save(weights, out / f"weights_{output.step:05d}.pt")
 
     class HookLog(Callback):
-        """Appends [hook, step] to hooks.jsonl for every hook call; its state (the call count) is checkpointed."""
+        """Appends {hook, step} to hooks.jsonl for every hook call; its state (the call count) is checkpointed."""
 
         state_key = "hook_log"
 
@@ -184,7 +184,7 @@ def _test_callbacks(job: dict, out: Path) -> list[Any]:
 
         def _record(self, hook: str, step: int | None = None) -> None:
             self.calls += 1
-            runfiles.append_jsonl(out / "hooks.jsonl", [hook, step])
+            runfiles.append_jsonl(out / "hooks.jsonl", {"hook": hook, "step": step})
 
         def on_start(self, trainer: Any) -> None:
             self._record("on_start")

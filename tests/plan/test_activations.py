@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megagate.distributed import parallel
 from megagate.model import gate as gates
 from megagate.model.build import build_gpt_model, transformer_config
 from megagate.model.config import model_preset
@@ -76,7 +75,7 @@ def estimate(model, b: int, s: int) -> int:
 
 @pytest.mark.parametrize("recompute", RECOMPUTE, ids=lambda r: r.get("recompute_granularity") or "none")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}-b{s[2]}-s{s[3]}")
-def test_activation_inventory_matches_saved_tensors(shape: tuple, recompute: dict) -> None:
+def test_activation_inventory_matches_saved_tensors(shape: tuple, recompute: dict, megatron_world) -> None:
     preset, overrides, b, s = shape
     model = model_preset(
         preset,
@@ -86,8 +85,7 @@ def test_activation_inventory_matches_saved_tensors(shape: tuple, recompute: dic
         **overrides,
         **recompute,
     )
-    with parallel.single_process():
-        measured = saved_bytes(model, b, s)
+    measured = saved_bytes(model, b, s)  # in the session's one-process megatron world
     planned = estimate(model, b, s)
     print(f"{preset} b{b} s{s} {recompute or 'none'}: measured {measured:,} planned {planned:,}")
     assert abs(planned - measured) <= TOLERANCE * measured, (planned, measured)
@@ -99,7 +97,7 @@ def test_activation_inventory_matches_saved_tensors(shape: tuple, recompute: dic
 @pytest.mark.parametrize(
     "gate", ["baseline", "g1-headwise", "g2-elementwise", "g2-headwise", "g3-elementwise", "g1-input-independent"]
 )
-def test_inventory_is_exact_per_gate(gate: str, recompute: str | None) -> None:
+def test_inventory_is_exact_per_gate(gate: str, recompute: str | None, megatron_world) -> None:
     """Exact, byte for byte, per gate, without and with selective recompute: G2/G3 multiply views of linear_qkv's
     output (their gate keeps the whole fused output alive), an input-independent gate keeps one score per head and
     channel, and selective recompute keeps q, k and the fused output once (memory.selective_kept)."""
@@ -111,8 +109,7 @@ def test_inventory_is_exact_per_gate(gate: str, recompute: str | None) -> None:
         recompute_granularity=recompute,
         **SHAPES[0][1],
     )
-    with parallel.single_process():
-        measured = saved_bytes(model, 3, 40)
+    measured = saved_bytes(model, 3, 40)
     planned = estimate(model, 3, 40)
     print(f"{gate} {recompute or 'none'}: measured {measured:,} planned {planned:,}")
     assert planned == measured

@@ -59,29 +59,27 @@ def test_recompute_trains_bitwise_like_no_recompute(
 
 
 @pytest.mark.parametrize("mode", [None, *MODES])
-def test_recompute_is_in_the_autograd_graph(mode: str | None) -> None:
+def test_recompute_is_in_the_autograd_graph(mode: str | None, megatron_world) -> None:
     """megatron's CheckpointFunction nodes in a training forward's graph: full/uniform/1 wraps each of the 2 layers,
     selective each layer's core attention, no recompute none."""
     from megagate import config as config_mod
-    from megagate.distributed import parallel
     from megagate.model.build import build_gpt_model, transformer_config
 
     cfg = config_mod.load(str(T.CONFIG), [*T.BASE, *MODES.get(mode, [])], environment=False)
     assert cfg.model.recompute_granularity == mode
-    with parallel.single_process():
-        tf = transformer_config(cfg.model, params_dtype=torch.float32, use_cpu=True)
-        gpt = build_gpt_model(cfg.model, tf).train()
-        tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-        pos = torch.arange(16).unsqueeze(0).expand(2, 16)
-        loss = gpt(tokens, pos, None, labels=tokens).sum()
-        nodes, stack, seen = [], [loss.grad_fn], set()
-        while stack:
-            fn = stack.pop()
-            if fn is None or fn in seen:
-                continue
-            seen.add(fn)
-            nodes.append(type(fn).__name__)
-            stack += [f for f, _ in fn.next_functions]
-        loss.backward()  # the recomputation runs
+    tf = transformer_config(cfg.model, params_dtype=torch.float32, use_cpu=True)
+    gpt = build_gpt_model(cfg.model, tf).train()
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(16).unsqueeze(0).expand(2, 16)
+    loss = gpt(tokens, pos, None, labels=tokens).sum()
+    nodes, stack, seen = [], [loss.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        nodes.append(type(fn).__name__)
+        stack += [f for f, _ in fn.next_functions]
+    loss.backward()  # the recomputation runs
     assert nodes.count("CheckpointFunctionBackward") == (cfg.model.num_layers if mode else 0)
     assert all(p.grad is not None for p in gpt.parameters() if p.requires_grad)
