@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "sweep": "run a stability grid (learning rates x gate variants x seeds) locally or as a Slurm job array",
     "report": "aggregate run directories into a table (loss, ppl, spikes, divergence, F-Attn, M-Act) and plots",
     "analyze": "per-layer gate / attention-sink / massive-activation diagnostics of a checkpoint, with PNG plots",
+    "eval": "perplexity of checkpoints per dataset, length and position (RoPE/YaRN overrides), F-Attn/M-Act, plot",
     "preprocess": "tokenize JSONL/text into megatron .bin/.idx datasets (parallel, streaming, atomic)",
     "tokenizer": "train a byte-level BPE tokenizer, or check the fast engine against HF",
     "data": "inspect preprocessed datasets (documents, tokens, length histogram, decoded sample)",

@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("megagate.config",),
     ("megagate.plan",),
     ("megagate.train",),
+    ("megagate.evaluate",),
     ("megagate.slurm",),
     ("megagate.commands", "megagate.cli", "megagate.__main__"),
 ]

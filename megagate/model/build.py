@@ -79,8 +79,26 @@ def transformer_config(
             # after the first group got another micro-batch's activations (measured); single p2p ops stay ordered
             batch_p2p_comm=False,
         )
+    if model.recompute_granularity is not None:
+        kwargs.update(
+            recompute_granularity=model.recompute_granularity,
+            recompute_method=model.recompute_method,
+            recompute_num_layers=model.recompute_num_layers,
+        )
     kwargs.update(extra)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    if model.position_embedding == "yarn":
+        # megatron reads YaRN's settings as config attributes outside the dataclass (GPTModel builds its
+        # YarnRotaryEmbedding from them; attention applies the concentration factor to q and k when they exist),
+        # so they are set only for YaRN models
+        config.yarn_rotary_scaling_factor = model.yarn_factor
+        config.yarn_original_max_position_embeddings = model.yarn_original_length
+        config.yarn_beta_fast = model.yarn_beta_fast
+        config.yarn_beta_slow = model.yarn_beta_slow
+        config.yarn_mscale = model.yarn_mscale
+        config.yarn_mscale_all_dim = model.yarn_mscale_all_dim
+        config.yarn_correction_range_round_to_int = model.yarn_correction_range_round_to_int
+    return config
 
 
 def build_gpt_model(
@@ -113,8 +131,12 @@ def build_gpt_model(
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=model.tie_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type=model.position_embedding,
         rotary_base=model.rotary_base,
+        rotary_percent=model.rotary_percent,
+        seq_len_interpolation_factor=model.rotary_interpolation_factor,
+        rope_scaling=model.rope_scaling,
+        rope_scaling_factor=model.rope_scaling_factor,
         vp_stage=vp_stage,
     )
 

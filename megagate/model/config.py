@@ -33,6 +33,25 @@ class ModelConfig:
     qk_layernorm: bool = True
     normalization: str = "RMSNorm"
     rotary_base: int = 1_000_000
+    # Position embedding (megatron's options; none of them changes a weight, so a context extension may change
+    # them on resume or at evaluation). "rope" or "yarn"; rotary_percent: the share of each head's dims rotated;
+    # rotary_interpolation_factor: linear position interpolation (positions / factor); rope_scaling: megatron's
+    # Llama-3.x frequency scaling by rope_scaling_factor; yarn_*: YaRN (Peng et al. 2023) NTK-by-parts
+    # interpolation by yarn_factor from yarn_original_max_position_embeddings (None: max_sequence_length), ramp
+    # between yarn_beta_slow and yarn_beta_fast rotations, attention factor 0.1*yarn_mscale*ln(s)+1 (over the
+    # same with yarn_mscale_all_dim) applied to q and k.
+    position_embedding: str = "rope"
+    rotary_percent: float = 1.0
+    rotary_interpolation_factor: float | None = None
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    yarn_factor: float = 1.0
+    yarn_original_max_position_embeddings: int | None = None
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
     norm_epsilon: float = 1e-6
     init_method_std: float = 0.02
     # MoE (fine-grained experts, softmax router, top-k)
@@ -45,6 +64,11 @@ class ModelConfig:
     # Dense gated models: shrink the FFN to the baseline's parameter count
     match_baseline_params: bool = True
     ffn_multiple: int = 64
+    # Activation recomputation, megatron's names: granularity None / "selective" (core attention) / "full";
+    # full needs method "uniform" (checkpoint groups of recompute_num_layers) or "block" (the first N of each stage)
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
     gate: GateConfig = field(default_factory=GateConfig)
 
     def __post_init__(self) -> None:
@@ -66,6 +90,8 @@ class ModelConfig:
                 f"model.num_attention_heads ({self.num_attention_heads}) must be divisible by "
                 f"model.num_query_groups ({self.num_query_groups})"
             )
+        check_recompute(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
+        check_position_embedding(self)
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise ConfigError(f"model.normalization={self.normalization!r} is not one of RMSNorm, LayerNorm")
         if self.num_experts:
@@ -98,6 +124,119 @@ class ModelConfig:
 
     def with_gate(self, gate: GateConfig) -> ModelConfig:
         return dataclasses.replace(self, gate=gate)
+
+    @property
+    def yarn_original_length(self) -> int:
+        """The context YaRN extends from (yarn_original_max_position_embeddings, else max_sequence_length)."""
+        return self.yarn_original_max_position_embeddings or self.max_sequence_length
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the position embedding is set up for: max_sequence_length, or the extension's
+        reach (yarn_factor x the original length; the interpolation / rope-scaling factor x max_sequence_length)."""
+        if self.position_embedding == "yarn":
+            return max(self.max_sequence_length, int(self.yarn_factor * self.yarn_original_length))
+        factor = (self.rotary_interpolation_factor or 1.0) * (self.rope_scaling_factor if self.rope_scaling else 1.0)
+        return int(self.max_sequence_length * factor)
+
+
+RECOMPUTE_GRANULARITIES = ("selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+def check_recompute(granularity: str | None, method: str | None, num_layers: int | None) -> None:
+    """megatron's recompute rules, as one-line ConfigErrors: full needs a method and a layer count, selective
+    takes neither."""
+    if granularity is None:
+        if method is not None or num_layers is not None:
+            raise ConfigError("model.recompute_method/recompute_num_layers need model.recompute_granularity=full")
+        return
+    if granularity not in RECOMPUTE_GRANULARITIES:
+        raise ConfigError(
+            f"model.recompute_granularity={granularity!r} is not one of {', '.join(RECOMPUTE_GRANULARITIES)} (or null)"
+        )
+    if granularity == "selective":
+        if method is not None or num_layers is not None:
+            raise ConfigError("model.recompute_granularity=selective takes no recompute_method/recompute_num_layers")
+        return
+    if method not in RECOMPUTE_METHODS:
+        raise ConfigError(
+            f"model.recompute_method={method!r} is not one of {', '.join(RECOMPUTE_METHODS)} (needed with full)"
+        )
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+        raise ConfigError(f"model.recompute_num_layers={num_layers!r} must be a positive integer with full recompute")
+
+
+POSITION_EMBEDDINGS = ("rope", "yarn")
+# The ModelConfig fields of the position embedding (evaluation may override them: none changes a weight).
+POSITION_FIELDS = (
+    "rotary_base",
+    "position_embedding",
+    "rotary_percent",
+    "rotary_interpolation_factor",
+    "rope_scaling",
+    "rope_scaling_factor",
+    "yarn_factor",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_mscale",
+    "yarn_mscale_all_dim",
+    "yarn_correction_range_round_to_int",
+)
+_YARN_DEFAULTS = dict(
+    yarn_factor=1.0,
+    yarn_original_max_position_embeddings=None,
+    yarn_beta_fast=32.0,
+    yarn_beta_slow=1.0,
+    yarn_mscale=1.0,
+    yarn_mscale_all_dim=0.0,
+    yarn_correction_range_round_to_int=True,
+)
+
+
+def check_position_embedding(m: ModelConfig) -> None:
+    """The position-embedding fields as one-line ConfigErrors (what megatron's RoPE / YaRN modules can build)."""
+    if m.position_embedding not in POSITION_EMBEDDINGS:
+        raise ConfigError(
+            f"model.position_embedding={m.position_embedding!r} is not one of {', '.join(POSITION_EMBEDDINGS)}"
+        )
+    if isinstance(m.rotary_base, bool) or not isinstance(m.rotary_base, int) or m.rotary_base < 2:
+        raise ConfigError(f"model.rotary_base={m.rotary_base!r} must be an integer >= 2")
+    if not 0 < m.rotary_percent <= 1:
+        raise ConfigError(f"model.rotary_percent={m.rotary_percent!r} must be in (0, 1]")
+    rotated = int(m.head_dim * m.rotary_percent)
+    if rotated < 2 or rotated % 2:
+        raise ConfigError(
+            f"model.rotary_percent={m.rotary_percent!r} rotates {rotated} of head_dim {m.head_dim} dims: "
+            "it must be an even number >= 2"
+        )
+    if m.rotary_interpolation_factor is not None and not m.rotary_interpolation_factor >= 1:
+        raise ConfigError(f"model.rotary_interpolation_factor={m.rotary_interpolation_factor!r} must be >= 1 (or null)")
+    if not m.rope_scaling_factor >= 1:
+        raise ConfigError(f"model.rope_scaling_factor={m.rope_scaling_factor!r} must be >= 1")
+    if m.position_embedding == "rope":
+        changed = [k for k, v in _YARN_DEFAULTS.items() if getattr(m, k) != v]
+        if changed:
+            raise ConfigError(f"model.{changed[0]} is a YaRN setting: it needs model.position_embedding=yarn")
+        return
+    # YaRN: megatron's YarnRotaryEmbedding rotates every head dim, and ignores the other two scalings
+    if m.rotary_percent != 1.0:
+        raise ConfigError(f"model.rotary_percent={m.rotary_percent!r}: position_embedding=yarn rotates all dims (1.0)")
+    if m.rotary_interpolation_factor is not None or m.rope_scaling:
+        raise ConfigError(
+            "model.position_embedding=yarn takes no rotary_interpolation_factor / rope_scaling (YaRN scales itself)"
+        )
+    if not m.yarn_factor >= 1:
+        raise ConfigError(f"model.yarn_factor={m.yarn_factor!r} must be >= 1")
+    original = m.yarn_original_max_position_embeddings
+    if original is not None and (isinstance(original, bool) or not isinstance(original, int) or original < 1):
+        raise ConfigError(f"model.yarn_original_max_position_embeddings={original!r} must be a positive integer")
+    if not 0 < m.yarn_beta_slow < m.yarn_beta_fast:
+        raise ConfigError(
+            f"model.yarn_beta_slow={m.yarn_beta_slow!r} and yarn_beta_fast={m.yarn_beta_fast!r} must satisfy "
+            "0 < beta_slow < beta_fast"
+        )
 
 
 def matched_ffn_width(ffn: int, hidden: int, added_per_layer: int, multiple: int) -> int:

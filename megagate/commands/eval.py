@@ -1,0 +1,121 @@
+"""`megagate eval CHECKPOINT [CHECKPOINT ...] --data PREFIX[,PREFIX|@run] --seq-lengths 512,1024 [--rope k=v ...]`.
+
+Perplexity per dataset, evaluated length and position bucket, with F-Attn / M-Act at each length; one process or
+torchrun / srun like training (`--tp`, `--pp`; the rest is data parallel). Prints a table and writes
+<out>/results.json, table.txt and ppl_vs_length.png. Everything the command line names is checked before any model
+is built (one-line errors, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoints", nargs="+", help="checkpoints (iter_NNNNNNN), checkpoint roots or run folders")
+    parser.add_argument(
+        "--data",
+        required=True,
+        help="comma-separated indexed-dataset prefixes (all their documents), or @run: each checkpoint's own "
+        "validation split",
+    )
+    parser.add_argument("--seq-lengths", required=True, help="comma-separated lengths to evaluate, e.g. 512,1024")
+    parser.add_argument(
+        "--rope",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="position-embedding overrides for every checkpoint, e.g. rotary_base=1000000 or position_embedding=yarn "
+        "yarn_factor=4 (keys: the model's position fields and max_sequence_length)",
+    )
+    parser.add_argument("--samples", type=int, default=32, help="samples per dataset and length (default 32)")
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="samples per forward (default 1)")
+    parser.add_argument("--buckets", type=int, default=8, help="position buckets per window (default 8)")
+    parser.add_argument(
+        "--diagnostics-max-length",
+        type=int,
+        default=4096,
+        help="F-Attn/M-Act probes up to this length (they materialise s x s attention; default 4096)",
+    )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    parser.add_argument("--seed", type=int, default=1234, help="sample-order seed for --data prefixes (default 1234)")
+    parser.add_argument("--names", default=None, help="comma-separated labels of the checkpoints (plot legend)")
+    parser.add_argument("--out", default="eval", help="output folder (default: eval)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from megagate.errors import MegagateError
+    from megagate.evaluate import options
+
+    for flag, value, low in (
+        ("--samples", args.samples, 1),
+        ("--micro-batch-size", args.micro_batch_size, 1),
+        ("--buckets", args.buckets, 1),
+        ("--tp", args.tp, 1),
+        ("--pp", args.pp, 1),
+        ("--diagnostics-max-length", args.diagnostics_max_length, 0),
+    ):
+        if value < low:
+            raise MegagateError(f"{flag} {value}: must be >= {low}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise MegagateError(f"--out {args.out}: exists and is not a folder")
+    lengths = options.parse_lengths(args.seq_lengths)
+    rope = options.parse_rope(args.rope)
+    names = None if args.names is None else [n.strip() for n in args.names.split(",")]
+    if names is not None and len(names) != len(args.checkpoints):
+        raise MegagateError(f"--names {args.names!r}: {len(names)} names for {len(args.checkpoints)} checkpoints")
+    specs = options.parse_data(args.data, lengths, "0,1,0")
+
+    from megagate.evaluate import core
+    from megagate.model.config import ParallelConfig
+
+    prepared = [
+        core.prepare(c, rope, lengths, None if names is None else names[i]) for i, c in enumerate(args.checkpoints)
+    ]
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+    dp = core.check_layout(prepared, parallel, world)
+    opts = core.Options(
+        lengths=lengths,
+        samples=args.samples,
+        micro_batch_size=args.micro_batch_size,
+        buckets=args.buckets,
+        diagnostics_max_length=args.diagnostics_max_length,
+        seed=args.seed,
+        cache_dir=os.path.join(args.out, "data_cache"),
+        parallel=parallel,
+    )
+
+    import torch
+
+    from megagate.commands.train import _free_port
+    from megagate.distributed import launch, megatron_cpu
+    from megagate.distributed.parallel import initialize_model_parallel
+
+    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+        core.prebuild(prepared, specs, opts)  # complete index caches before any other rank reads them
+    if not any(v in os.environ for v in ("RANK", "SLURM_PROCID", "MASTER_PORT")):
+        os.environ["MASTER_PORT"] = str(_free_port())  # a single process: any free port
+    env = launch.init_process_group()
+    try:
+        megatron_cpu.install()
+        initialize_model_parallel(parallel, seed=args.seed)
+        rank0 = env.rank == 0
+        results = core.evaluate(prepared, specs, opts, dp, log=print if rank0 else (lambda _: None))
+        if rank0:
+            from megagate.evaluate import output
+
+            paths = output.write(results, args.out)
+            print(output.table(results))
+            print(f"results: {paths['json']}, plot: {paths['png']}")
+        torch.distributed.barrier()
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0

@@ -1,0 +1,80 @@
+"""`megagate eval`'s outputs: the printed table, results.json and ppl_vs_length.png (one line per checkpoint, one
+panel per dataset), each written to a temporary name and renamed."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def table(results: dict[str, Any]) -> str:
+    """One row per checkpoint x dataset x length: loss, perplexity, perplexity of the first and last position
+    bucket, F-Attn (first-token attention, layer mean) and M-Act (largest |hidden state|)."""
+    header = ["checkpoint", "data", "length", "samples", "loss", "ppl", "ppl first", "ppl last", "F-Attn", "M-Act"]
+    rows = [header]
+    for c in results["checkpoints"]:
+        for r in c["results"]:
+            diag = r["diagnostics"] or {}
+            rows.append(
+                [
+                    c["name"],
+                    r["data"],
+                    str(r["seq_length"]),
+                    str(r["samples"]),
+                    _fmt(r["loss"], ".4f"),
+                    _fmt(r["ppl"], ".2f"),
+                    _fmt(r["buckets"][0]["ppl"], ".2f"),
+                    _fmt(r["buckets"][-1]["ppl"], ".2f"),
+                    _fmt(diag.get("f_attn"), ".3f"),
+                    _fmt(diag.get("m_act"), ".1f"),
+                ]
+            )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: str | Path) -> Path:
+    """Perplexity vs evaluated length (log-log), one line per checkpoint, one panel per dataset."""
+    from megagate.monitor import plotting
+
+    plt = plotting.pyplot()
+    names = results["data"]
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
+    for ax, data in zip(axes[0], names):
+        for c in results["checkpoints"]:
+            rows = sorted((r for r in c["results"] if r["data"] == data), key=lambda r: r["seq_length"])
+            ax.plot([r["seq_length"] for r in rows], [r["ppl"] for r in rows], marker="o", label=c["name"])
+            ax.axvline(c["train_seq_length"], color="grey", linestyle=":", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ppls = [r["ppl"] for c in results["checkpoints"] for r in c["results"] if r["data"] == data]
+        if min(ppls) > 0 and max(ppls) / min(ppls) > 10:  # a log axis only where the curve spans decades
+            ax.set_yscale("log")
+        ax.set_xlabel("evaluated length (tokens)")
+        ax.set_ylabel("perplexity")
+        ax.set_title(f"{data} (dotted: training length)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    return plotting.save(fig, path)
+
+
+def write(results: dict[str, Any], out: str | Path) -> dict[str, Path]:
+    """results.json, table.txt and ppl_vs_length.png under `out`."""
+    from megagate.monitor import runfiles
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "table": out / "table.txt", "png": out / "ppl_vs_length.png"}
+    runfiles.write_json(paths["json"], results)
+    runfiles.write_atomic(paths["table"], table(results) + "\n")
+    plot(results, paths["png"])
+    return paths
