@@ -97,6 +97,9 @@ class CheckpointSection:
     interval: int = 0  # steps between saves (0: only at the end and on a stop request)
     keep_last: int = 2
     load: bool = True  # resume from the latest good checkpoint in dir
+    # a fresh run (nothing to resume in dir) starts from these weights (another run's checkpoint, its root or run
+    # folder): same architecture, new optimizer, schedule and data (a context extension, a continued pre-training)
+    init_from: str | None = None
     optimizer_format: str = "fully_reshardable"  # fully_reshardable allows TP/PP changes on resume
 
 

@@ -481,6 +481,36 @@ class Checkpointer:
             set_rng_state(safe_files.load_torch_data(rng_file, rng_file))
         return meta
 
+    def load_weights(
+        self, source: str | os.PathLike, model_chunks: list, check: Callable[[Path, dict], None] | None = None
+    ) -> tuple[Path, dict]:
+        """Another run's model weights into `model_chunks` (a fresh start from them: no optimizer, schedule, data
+        position or RNG); (the checkpoint loaded, its metadata).
+
+        `source`: a checkpoint (iter_NNNNNNN), a checkpoint root or a run folder (its newest complete checkpoint).
+        It is scanned and verified first, like a resume, but never moved: it is not this run's to change; then
+        `check(path, meta)` (e.g. that the architecture matches) before anything is loaded.
+        """
+        path = Path(source)
+        for root in (path, path / "checkpoints"):
+            newest = latest(root)
+            if newest is not None:
+                path = newest
+                break
+        if not (path / MANIFEST).is_file():
+            raise MegagateError(
+                f"checkpoint.init_from={str(source)!r} is not a complete checkpoint (iter_NNNNNNN with a "
+                f"{MANIFEST}), nor a checkpoint root or run folder holding one"
+            )
+        scanned = safety_check(path)
+        reason = _first(_gather(verify(path) or scanned))
+        if reason is not None:
+            raise MegagateError(f"checkpoint.init_from: {path} is damaged ({reason})")
+        if check is not None:
+            check(path, read_meta(path))
+        meta = self.load(path, model_chunks, None, same_layout=False)
+        return path, meta
+
     def resume(
         self,
         model_chunks: list,

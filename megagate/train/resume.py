@@ -83,9 +83,9 @@ def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     ]
 
 
-def _refuse(path: str, what: str, diffs: list[str], advice: str) -> None:
+def _refuse(path: str, what: str, diffs: list[str], advice: str, verb: str = "resume from") -> None:
     shown = "; ".join(diffs[:3]) + (f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else "")
-    raise MegagateError(f"cannot resume from {path}: {what} differs (checkpoint -> this config: {shown}); {advice}")
+    raise MegagateError(f"cannot {verb} {path}: {what} differs (checkpoint -> this config: {shown}); {advice}")
 
 
 def check_compatible(
@@ -94,11 +94,7 @@ def check_compatible(
     """Raise a one-line MegagateError when `cfg` cannot resume from a checkpoint with metadata `meta`
     (`tokenizer`: this run's tokenizer file, compared by content; None skips that comparison)."""
     fresh = "use another output.dir (or checkpoint.dir), or checkpoint.load=false to start from scratch"
-    saved_arch = meta.get("architecture")
-    if saved_arch is not None:
-        diffs = _differences(saved_arch, architecture(cfg))
-        if diffs:
-            _refuse(path, "the model", diffs, fresh)
+    check_architecture(meta, cfg, path=path, advice=fresh)
     saved_data = meta.get("data_order")
     if saved_data is not None:
         current = data_order(cfg, tokenizer)
@@ -161,6 +157,22 @@ def newest_meta(root: str | os.PathLike) -> dict[str, Any] | None:
         except MegagateError:
             continue
     return None
+
+
+def check_architecture(
+    meta: dict[str, Any],
+    cfg: TrainConfig,
+    *,
+    path: str = "the checkpoint",
+    advice: str = "the weights fit only the model they were trained as",
+    verb: str = "resume from",
+) -> None:
+    """Raise a one-line MegagateError when `cfg`'s model is not the one the checkpoint's weights belong to."""
+    saved = meta.get("architecture")
+    if saved is not None:
+        diffs = _differences(saved, architecture(cfg))
+        if diffs:
+            _refuse(path, "the model", diffs, advice, verb)
 
 
 def schedule(cfg: TrainConfig) -> dict[str, Any]:

@@ -280,7 +280,24 @@ class Trainer:
             for cb in self.callbacks:
                 if cb.state_key and f"x_{cb.state_key}" in meta:
                     cb.load_state_dict(meta[f"x_{cb.state_key}"])
+        elif self.cfg.checkpoint.init_from:
+            self._init_from(self.cfg.checkpoint.init_from)
         self.start_step = self.step
+
+    def _init_from(self, source: str) -> None:
+        """A fresh run from another run's weights (checkpoint.init_from): the architecture must match; optimizer,
+        schedule, data position and RNG start fresh."""
+        path, meta = self.checkpointer.load_weights(
+            source,
+            self.model,
+            check=lambda p, saved: resume_checks.check_architecture(
+                saved, self.cfg, path=str(p), verb="initialise the model from"
+            ),
+        )
+        # the optimizer's main parameters were copied from the initial weights (bf16 runs): copy the loaded ones
+        if hasattr(self.optimizer, "reload_model_params"):
+            self.optimizer.reload_model_params()
+        log(f"initialised the model from {path} (weights of step {meta.get('step')}; optimizer, schedule and data new)")
 
     # --- megatron's schedule ---------------------------------------------------------------------------------------
     def forward_backward(self, microbatches: list[dict], forward_only: bool) -> float:
