@@ -74,7 +74,7 @@ def prepare(given: str, rope: dict[str, Any], lengths: list[int], name: str | No
     """Read a checkpoint's metadata and config (no tensors), apply --rope and check the lengths against it."""
     from megagate import config as config_mod
     from megagate.train import checkpoint as ckpt
-    from megagate.train.load import _run_tokenizer
+    from megagate.train.load import run_tokenizer
 
     path = resolve_checkpoint(given)
     meta = ckpt.read_meta(path)
@@ -84,7 +84,7 @@ def prepare(given: str, rope: dict[str, Any], lengths: list[int], name: str | No
     where = f"checkpoint {str(path)!r}"
     model = with_overrides(cfg.model, rope, where)
     check_lengths(model, lengths, where)
-    tokenizer = None if cfg.data.mock else _run_tokenizer(cfg.data)
+    tokenizer = None if cfg.data.mock else run_tokenizer(cfg.data)
     run = path.parent.parent.name if path.parent.name == "checkpoints" else path.parent.name
     return Prepared(path, name or f"{run}@{int(meta.get('step', 0))}", meta, cfg, model, tokenizer)
 
@@ -198,7 +198,7 @@ def load_chunks(p: Prepared, opts: Options) -> list:
         ckpt.Checkpointer(p.path.parent).load(p.path, [chunk], None, same_layout=False)
     except Exception as exc:  # megatron raises CheckpointingException and others for a mismatched checkpoint
         error = " ".join(str(exc).split())[:300]
-    error = next((e for e in ckpt._gather(error) if e), None)
+    error = next((e for e in ckpt.gather_objects(error) if e), None)
     if error:
         raise MegagateError(f"cannot load the model from {str(p.path)!r}: {error}")
     chunk.eval()

@@ -105,7 +105,7 @@ def _world() -> int:
     return torch.distributed.get_world_size() if _dist() else 1
 
 
-def _gather(obj: Any) -> list[Any]:
+def gather_objects(obj: Any) -> list[Any]:
     """Every rank's `obj`, in rank order, on every rank."""
     if not _dist() or _world() == 1:
         return [obj]
@@ -201,7 +201,7 @@ def verify(path: str | os.PathLike, collective: bool = True) -> str | None:
         reason = str(exc)
     except OSError as exc:
         reason = f"cannot be read ({exc.strerror or exc})"
-    return _first(_gather(reason)) if collective else reason
+    return _first(gather_objects(reason)) if collective else reason
 
 
 def safety_check(path: str | os.PathLike, collective: bool = True) -> str | None:
@@ -375,7 +375,7 @@ class Checkpointer:
 
     def _fail_if_any(self, error: str | None, tmp: Path) -> None:
         """Raise on every rank when any rank failed a step of the save; the temporary folder is removed."""
-        error = _first(_gather(error))
+        error = _first(gather_objects(error))
         if error is None:
             return
         if _rank() == 0:
@@ -426,7 +426,7 @@ class Checkpointer:
         except OSError as exc:
             error = _os_message(exc)
         self._fail_if_any(error, tmp)
-        shares = _gather(share)
+        shares = gather_objects(share)
         if _rank() == 0:
             files = {name: record for part in shares for name, record in part.items()}
             manifest = {
@@ -503,7 +503,7 @@ class Checkpointer:
                 f"{MANIFEST}), nor a checkpoint root or run folder holding one"
             )
         scanned = safety_check(path)
-        reason = _first(_gather(verify(path) or scanned))
+        reason = _first(gather_objects(verify(path) or scanned))
         if reason is not None:
             raise MegagateError(f"checkpoint.init_from: {path} is damaged ({reason})")
         if check is not None:
@@ -544,7 +544,7 @@ class Checkpointer:
                     meta = read_meta(path)
                 except MegagateError as exc:
                     reason = str(exc)
-                reason = _first(_gather(reason))
+                reason = _first(gather_objects(reason))
             if reason is None:
                 if check is not None:
                     check(path, meta)  # a config that cannot resume from it: the user's error, no fallback
@@ -557,7 +557,7 @@ class Checkpointer:
                 except Exception as exc:  # damage the manifest cannot see (or a file megatron cannot parse)
                     first_line = (str(exc).strip().splitlines() or [""])[0][:200]
                     reason = f"loading it failed: {type(exc).__name__}: {first_line}"
-                reason = _first(_gather(reason))
+                reason = _first(gather_objects(reason))
                 if reason is None:
                     return Resumed(path, meta, same_layout)
             nxt = f"trying {Path(candidates[i + 1]).name}" if i + 1 < len(candidates) else "no older checkpoint"

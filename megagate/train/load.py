@@ -35,7 +35,7 @@ def _ensure_single_process_world() -> None:
     atexit.register(stack.close)
 
 
-def _run_tokenizer(data: object) -> str | None:
+def run_tokenizer(data: object) -> str | None:
     """The tokenizer file of a run's data section (the demo tokenizer for `data.demo` runs without a blend)."""
     if data.demo and not data.blend:
         from megagate.data.demo import prepare_demo_data
@@ -86,7 +86,7 @@ def load_model_for_analysis(checkpoint_dir: str | Path) -> tuple[torch.nn.Module
         raise MegagateError(f"checkpoint {str(path)!r}: {ckpt.META} has no run config")
     # The trainer's reader and checks, minus this machine's: the run's data files need not be here to analyse it.
     cfg = config_mod.from_dict(meta["config"], environment=False)
-    tokenizer_path = _run_tokenizer(cfg.data)
+    tokenizer_path = run_tokenizer(cfg.data)
     if tokenizer_path is None:
         raise MegagateError(f"checkpoint {str(path)!r}: the run has no tokenizer (mock data?) to encode text with")
     tokenizer = load_tokenizer(tokenizer_path)
