@@ -42,6 +42,7 @@ from megagate.yamlfile import load_mapping
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
+MEGATRON_LR_STYLE = {"cosine": "cosine", "wsd": "WSD", "linear": "linear", "constant": "constant"}  # lr_decay_style
 BACKENDS = ("auto", "local", "te")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 OPTIMIZER_FORMATS = ("fully_reshardable", "dp_reshardable")
@@ -75,6 +76,11 @@ class TrainSection:
     eval_iters: int = 2  # global batches per validation
     wall_time_limit: float | None = None  # seconds; checkpoint and exit cleanly before it
     exit_after_steps: int | None = None  # checkpoint and exit after this many steps of this launch's run
+
+    @property
+    def wsd_steps(self) -> int:
+        """The WSD schedule's decay steps (default: the last fifth of the run)."""
+        return self.wsd_decay_steps or max(1, self.train_steps // 5)
 
 
 @dataclass(frozen=True)

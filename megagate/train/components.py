@@ -145,7 +145,7 @@ def build_optimizer(cfg: TrainConfig, ddp: list) -> tuple[Any, Any]:
         ddp,
     )
     gbs = t.global_batch_size
-    style = {"cosine": "cosine", "wsd": "WSD", "linear": "linear", "constant": "constant"}[t.lr_schedule]
+    style = config_mod.MEGATRON_LR_STYLE[t.lr_schedule]
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -158,7 +158,7 @@ def build_optimizer(cfg: TrainConfig, ddp: list) -> tuple[Any, Any]:
         end_wd=t.weight_decay,
         wd_incr_steps=t.train_steps * gbs,
         wd_incr_style="constant",
-        wsd_decay_steps=(t.wsd_decay_steps or max(1, t.train_steps // 5)) * gbs if style == "WSD" else None,
+        wsd_decay_steps=t.wsd_steps * gbs if style == "WSD" else None,
         lr_wsd_decay_style="linear" if style == "WSD" else None,
     )
     return optimizer, scheduler

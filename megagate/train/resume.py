@@ -20,7 +20,7 @@ import hashlib
 import os
 from typing import Any
 
-from megagate.config import TrainConfig
+from megagate.config import MEGATRON_LR_STYLE, TrainConfig
 from megagate.errors import MegagateError
 
 # Fields of ModelConfig that define the weights (their shapes or their meaning); the others (init, rotary base,
@@ -212,7 +212,7 @@ def reschedule(scheduler: Any, meta: dict[str, Any], cfg: TrainConfig) -> list[s
         rate = gbs if k >= step else saved_gbs
         return max(0, consumed + (k - step) * rate)
 
-    style = {"cosine": "cosine", "wsd": "WSD", "linear": "linear", "constant": "constant"}[t.lr_schedule]
+    style = MEGATRON_LR_STYLE[t.lr_schedule]
     scheduler.max_lr, scheduler.min_lr = float(t.lr), float(t.min_lr)
     scheduler.lr_decay_style = style
     scheduler.lr_warmup_steps = samples_at(t.warmup_steps)
@@ -220,7 +220,7 @@ def reschedule(scheduler: Any, meta: dict[str, Any], cfg: TrainConfig) -> list[s
     scheduler.wd_incr_steps = scheduler.lr_decay_steps
     scheduler.start_wd = scheduler.end_wd = float(t.weight_decay)
     if style == "WSD":
-        scheduler.wsd_decay_steps = (t.wsd_decay_steps or max(1, t.train_steps // 5)) * gbs
+        scheduler.wsd_decay_steps = t.wsd_steps * gbs
         scheduler.lr_wsd_decay_style = "linear"
     scheduler.step(increment=0)  # the next update's LR under the new settings
     return changes
