@@ -20,6 +20,7 @@ from megagate.slurm import SlurmRequest, write_script  # noqa: E402
 
 CONFIG_15A2B = "slurm/examples/configs/15a2b_moe.yaml"
 CONFIG_TINY = "slurm/examples/configs/tiny.yaml"
+CONFIG_48L = "slurm/examples/configs/1p7b_48l_stability.yaml"
 
 
 @dataclass(frozen=True)
@@ -32,13 +33,14 @@ class Job:
     overrides: tuple[str, ...] = ()
     launcher: str = "srun"
     lrs: tuple[float, ...] = ()  # a job array: one learning rate per array task (`megagate sweep --slurm`)
+    variants: tuple[str, ...] = ("g1-elementwise",)  # with lrs: the gate presets of the grid
 
     def render(self) -> str:
         """The script text; ConfigError if the trainer would refuse the config on this job's world size."""
         if not self.lrs:
             return render_for_config(self.request, self.config, list(self.overrides), launcher=self.launcher)[1]
         specs = sweep.expand_grid(
-            list(self.overrides), list(self.lrs), ["g1-elementwise"], [0], out_dir=f"runs/{self.request.job_name}"
+            list(self.overrides), list(self.lrs), list(self.variants), [0], out_dir=f"runs/{self.request.job_name}"
         )
         sweep.check_grid(specs, self.config, self.request.world_size)
         return sweep.slurm_array(specs, self.config, self.request, self.launcher)
@@ -83,6 +85,14 @@ JOBS = (
         replace(TINY, job_name="tiny-sweep", array="0-2%2"),
         CONFIG_TINY,
         lrs=(1e-3, 3e-3, 1e-2),
+    ),
+    # the paper's stability sweep (docs/science.md): 1.7B-48L, LR 4e-3 vs 8e-3, baseline vs gated vs sandwich norm
+    Job(
+        "1p7b_48l_stability_array.sbatch",
+        replace(MOE_8X8, job_name="1p7b-48l-stability", array="0-5"),
+        CONFIG_48L,
+        lrs=(4e-3, 8e-3),
+        variants=("baseline", "g1-elementwise", "sandwich-norm"),
     ),
 )
 
