@@ -22,6 +22,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("megagate.plan",),
     ("megagate.train",),
     ("megagate.evaluate",),
+    # hf / hf_config / hf_weights import only megagate.model; hf_io reads and writes checkpoints (megagate.train)
+    ("megagate.interop",),
     ("megagate.slurm",),
     ("megagate.commands", "megagate.cli", "megagate.__main__"),
 ]

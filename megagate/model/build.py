@@ -34,6 +34,9 @@ def transformer_config(
             moe_aux_loss_coeff=model.moe_aux_loss_coeff,
             moe_z_loss_coeff=model.moe_z_loss_coeff,
             moe_router_score_function="softmax",
+            # softmax over all experts before top-k (no renormalisation) when the top-k probabilities are not
+            # normalised; megatron's default softmax over the top-k logits otherwise
+            moe_router_pre_softmax=not model.moe_router_norm_topk,
             # alltoall needs CUDA streams; allgather is exact and works over gloo
             moe_token_dispatcher_type="allgather" if cpu else "alltoall",
             moe_grouped_gemm=False,
@@ -47,6 +50,7 @@ def transformer_config(
         ffn_hidden_size=model.effective_ffn_hidden_size,
         normalization=model.normalization,
         layernorm_epsilon=model.norm_epsilon,
+        layernorm_zero_centered_gamma=model.norm_zero_centered,
         qk_layernorm=model.qk_layernorm,
         gated_linear_unit=True,
         activation_func=F.silu,

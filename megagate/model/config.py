@@ -53,6 +53,10 @@ class ModelConfig:
     yarn_mscale_all_dim: float = 0.0
     yarn_correction_range_round_to_int: bool = True
     norm_epsilon: float = 1e-6
+    # Zero-centred norm weights (megatron's layernorm_zero_centered_gamma; Qwen3-Next's norms): every RMSNorm
+    # (input, pre-MLP, final, q/k) computes x * rsqrt(mean(x^2) + eps) * (1 + w), with w initialised to zeros,
+    # so such a model equals the plain one at initialisation.
+    norm_zero_centered: bool = False
     init_method_std: float = 0.02
     # MoE (fine-grained experts, softmax router, top-k)
     num_experts: int = 0
@@ -61,6 +65,10 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 1e-3
     moe_z_loss_coeff: float = 1e-3
     moe_load_balancing: str = "global_aux_loss"  # the paper: global-batch load balancing
+    # Router probabilities of the chosen experts: True = softmax over the top-k logits, i.e. renormalised to sum
+    # to 1 (megatron's default; HF norm_topk_prob=True); False = softmax over all experts, then top-k (megatron's
+    # moe_router_pre_softmax; HF norm_topk_prob=False).
+    moe_router_norm_topk: bool = True
     # Dense gated models: shrink the FFN to the baseline's parameter count
     match_baseline_params: bool = True
     ffn_multiple: int = 64
@@ -94,6 +102,14 @@ class ModelConfig:
         check_position_embedding(self)
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise ConfigError(f"model.normalization={self.normalization!r} is not one of RMSNorm, LayerNorm")
+        if not isinstance(self.norm_zero_centered, bool):
+            raise ConfigError(f"model.norm_zero_centered={self.norm_zero_centered!r} must be true or false")
+        if self.norm_zero_centered and self.normalization != "RMSNorm":
+            raise ConfigError(f"model.norm_zero_centered=true needs normalization=RMSNorm (not {self.normalization})")
+        if not isinstance(self.moe_router_norm_topk, bool):
+            raise ConfigError(f"model.moe_router_norm_topk={self.moe_router_norm_topk!r} must be true or false")
+        if not self.moe_router_norm_topk and not self.num_experts:
+            raise ConfigError("model.moe_router_norm_topk=false is a MoE router setting: it needs num_experts > 0")
         if self.num_experts:
             if not 0 < self.moe_router_topk <= self.num_experts:
                 raise ConfigError(

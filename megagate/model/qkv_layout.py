@@ -9,6 +9,21 @@ q, k, v *and* gate rows of the same heads:
 
 For G1 elementwise this is exactly megatron-core's `attention_output_gate` layout ([q, gate, k, v] per group), so
 those checkpoints load unchanged; `convert_rows` maps any layout onto another by naming every row.
+
+Hugging Face layouts (separate q_proj / k_proj / v_proj; k and v are [ng·hn] in group order everywhere):
+
+    qwen3, qwen3_moe (no gate)    q_proj [np·hn]: per head its hn rows
+    qwen3_next (G1 elementwise)   q_proj [2·np·hn]: per head [q_h: hn | gate_h: hn]
+    paper (the paper's released Qwen3 code, `elementwise_attn_output_gate` / `headwise_attn_output_gate`)
+                                  q_proj per KV group [q of the group's npg heads: npg·hn | their gates: npg·w]
+                                  elementwise: [2·np·hn] rows; headwise: [np·hn + np] rows (one scalar per head)
+
+The Qwen3-Next and the paper's elementwise q_proj have the same shape ([2·np·hn, h]) but different row orders
+(per head vs per group): no check on shapes can tell them apart, so the converters take the format explicitly
+(`from_qwen3_next` vs `from_paper`), and converting with the wrong one gives a model whose outputs differ (a test
+shows it). Every converter checks the shapes against (num_heads, num_groups, head_dim) and raises a one-line
+ConfigError on a mismatch (e.g. a headwise paper q_proj given to `from_qwen3_next`). All conversions are pure row
+reindexing: the tensors they return are bit-identical to their sources, contiguous and own their storage.
 """
 
 from __future__ import annotations
@@ -168,10 +183,145 @@ def to_megatron_output_gate(weight: torch.Tensor, num_heads: int, num_groups: in
     return convert_rows(weight, layout.row_keys(), megatron_output_gate_keys(num_heads, num_groups, head_dim))
 
 
+GRANULARITY_WIDTH = ("elementwise", "headwise")
+
+
+def _gate_width(granularity: str, head_dim: int) -> int:
+    if granularity not in GRANULARITY_WIDTH:
+        raise ConfigError(f"granularity={granularity!r} is not one of {', '.join(GRANULARITY_WIDTH)}")
+    return head_dim if granularity == "elementwise" else 1
+
+
+def qwen3_keys(num_heads: int, num_groups: int, head_dim: int) -> list[RowKey]:
+    """Row names of Hugging Face Qwen3's (and Qwen3-MoE's) concatenated [q_proj; k_proj; v_proj] (no gate)."""
+    keys = [("q", h, c) for h in range(num_heads) for c in range(head_dim)]
+    keys += [("k", g, c) for g in range(num_groups) for c in range(head_dim)]
+    keys += [("v", g, c) for g in range(num_groups) for c in range(head_dim)]
+    return keys
+
+
+def paper_keys(num_heads: int, num_groups: int, head_dim: int, granularity: str) -> list[RowKey]:
+    """Row names of the paper's released code's [q_proj; k_proj; v_proj]: q_proj per KV group [q of the group's
+    heads | their gates] (elementwise: hn gate rows per head; headwise: one)."""
+    width = _gate_width(granularity, head_dim)
+    npg, keys = num_heads // num_groups, []
+    for g in range(num_groups):
+        heads = range(g * npg, (g + 1) * npg)
+        keys += [("q", h, c) for h in heads for c in range(head_dim)]
+        keys += [("q_gate", h, c) for h in heads for c in range(width)]
+    keys += [("k", g, c) for g in range(num_groups) for c in range(head_dim)]
+    keys += [("v", g, c) for g in range(num_groups) for c in range(head_dim)]
+    return keys
+
+
+def _check_parts(fmt: str, parts: dict[str, torch.Tensor], rows: dict[str, int], sizes: str) -> None:
+    """Each HF projection has the rows the format needs and all share their trailing (input) dims."""
+    trailing = {tuple(t.shape[1:]) for t in parts.values()}
+    for name, tensor in parts.items():
+        if tensor.dim() < 1 or tensor.shape[0] != rows[name]:
+            raise ConfigError(
+                f"{name} has shape {tuple(tensor.shape)}, but the {fmt} layout with {sizes} needs {rows[name]} rows"
+            )
+    if len(trailing) != 1:
+        raise ConfigError(f"q_proj/k_proj/v_proj of the {fmt} layout differ in their input dims: {sorted(trailing)}")
+
+
+def _check_fused(weight: torch.Tensor, layout: QkvLayout, what: str, sizes: str) -> None:
+    if weight.dim() < 1 or weight.shape[0] != layout.rows:
+        raise ConfigError(
+            f"linear_qkv has shape {tuple(weight.shape)}, but {what} with {sizes} needs {layout.rows} rows"
+        )
+
+
+def _sizes(num_heads: int, num_groups: int, head_dim: int) -> str:
+    return f"{num_heads} heads / {num_groups} groups / head_dim {head_dim}"
+
+
+def _from_hf(
+    fmt: str,
+    q_proj: torch.Tensor,
+    k_proj: torch.Tensor,
+    v_proj: torch.Tensor,
+    layout: QkvLayout,
+    keys: list[RowKey],
+) -> torch.Tensor:
+    kv_rows = layout.num_groups * layout.head_dim
+    q_rows = len(keys) - 2 * kv_rows
+    sizes = _sizes(layout.num_heads, layout.num_groups, layout.head_dim)
+    _check_parts(
+        fmt,
+        {"q_proj": q_proj, "k_proj": k_proj, "v_proj": v_proj},
+        dict(q_proj=q_rows, k_proj=kv_rows, v_proj=kv_rows),
+        sizes,
+    )
+    return convert_rows(torch.cat([q_proj, k_proj, v_proj], dim=0), keys, layout.row_keys())
+
+
+def _to_hf(
+    fmt: str, weight: torch.Tensor, layout: QkvLayout, keys: list[RowKey]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    sizes = _sizes(layout.num_heads, layout.num_groups, layout.head_dim)
+    _check_fused(weight, layout, f"megagate's linear_qkv for the {fmt} layout", sizes)
+    stacked = convert_rows(weight, layout.row_keys(), keys)
+    kv_rows = layout.num_groups * layout.head_dim
+    q, k, v = torch.split(stacked, [stacked.shape[0] - 2 * kv_rows, kv_rows, kv_rows], dim=0)
+    return q.clone(), k.clone(), v.clone()  # each its own contiguous storage
+
+
+def from_qwen3(
+    q_proj: torch.Tensor, k_proj: torch.Tensor, v_proj: torch.Tensor, num_heads: int, num_groups: int, head_dim: int
+) -> torch.Tensor:
+    """Hugging Face Qwen3 / Qwen3-MoE q_proj/k_proj/v_proj → megagate baseline (ungated) linear_qkv."""
+    layout = QkvLayout(num_heads, num_groups, head_dim)
+    return _from_hf("qwen3", q_proj, k_proj, v_proj, layout, qwen3_keys(num_heads, num_groups, head_dim))
+
+
+def to_qwen3(
+    weight: torch.Tensor, num_heads: int, num_groups: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megagate baseline linear_qkv → Hugging Face Qwen3 / Qwen3-MoE (q_proj, k_proj, v_proj)."""
+    layout = QkvLayout(num_heads, num_groups, head_dim)
+    return _to_hf("qwen3", weight, layout, qwen3_keys(num_heads, num_groups, head_dim))
+
+
 def from_qwen3_next(
     q_proj: torch.Tensor, k_proj: torch.Tensor, v_proj: torch.Tensor, num_heads: int, num_groups: int, head_dim: int
 ) -> torch.Tensor:
-    """Hugging Face Qwen3-Next q_proj/k_proj/v_proj → megagate G1-elementwise linear_qkv."""
+    """Hugging Face Qwen3-Next q_proj/k_proj/v_proj → megagate G1-elementwise linear_qkv.
+
+    The paper's elementwise q_proj has the same shape in another row order: use `from_paper` for that one."""
     layout = QkvLayout(num_heads, num_groups, head_dim, q_gate_width=head_dim)
-    stacked = torch.cat([q_proj, k_proj, v_proj], dim=0)
-    return convert_rows(stacked, qwen3_next_keys(num_heads, num_groups, head_dim), layout.row_keys())
+    return _from_hf("qwen3_next", q_proj, k_proj, v_proj, layout, qwen3_next_keys(num_heads, num_groups, head_dim))
+
+
+def to_qwen3_next(
+    weight: torch.Tensor, num_heads: int, num_groups: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megagate G1-elementwise linear_qkv → Hugging Face Qwen3-Next (q_proj, k_proj, v_proj); the reverse of
+    `from_qwen3_next`."""
+    layout = QkvLayout(num_heads, num_groups, head_dim, q_gate_width=head_dim)
+    return _to_hf("qwen3_next", weight, layout, qwen3_next_keys(num_heads, num_groups, head_dim))
+
+
+def from_paper(
+    q_proj: torch.Tensor,
+    k_proj: torch.Tensor,
+    v_proj: torch.Tensor,
+    num_heads: int,
+    num_groups: int,
+    head_dim: int,
+    granularity: str,
+) -> torch.Tensor:
+    """The paper's released-code q_proj/k_proj/v_proj (G1 `granularity` gate) → megagate G1 linear_qkv."""
+    layout = QkvLayout(num_heads, num_groups, head_dim, q_gate_width=_gate_width(granularity, head_dim))
+    keys = paper_keys(num_heads, num_groups, head_dim, granularity)
+    return _from_hf(f"paper {granularity}", q_proj, k_proj, v_proj, layout, keys)
+
+
+def to_paper(
+    weight: torch.Tensor, num_heads: int, num_groups: int, head_dim: int, granularity: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megagate G1 linear_qkv (`granularity` gate) → the paper's released-code (q_proj, k_proj, v_proj)."""
+    layout = QkvLayout(num_heads, num_groups, head_dim, q_gate_width=_gate_width(granularity, head_dim))
+    keys = paper_keys(num_heads, num_groups, head_dim, granularity)
+    return _to_hf(f"paper {granularity}", weight, layout, keys)

@@ -7,11 +7,16 @@ FP8/BF16 modules, grouped-GEMM experts, the MoE router. Two things are added:
 * `self_attention` becomes `GatedSelfAttention` with the `GateConfig` as a spec parameter;
 * with `gate.sandwich_norm`, both bias-dropout-add modules become `SublayerOutputNormBDA`, which normalises the
   sublayer output before the residual add (the paper's sandwich-norm stability baseline).
+
+With `config.layernorm_zero_centered_gamma` (ModelConfig.norm_zero_centered) on the local backend, megatron's local
+norm (which refuses it) is replaced everywhere (input, pre-MLP, q/k, final and sandwich norms) by
+`megagate.model.norms.ZeroCenteredRMSNorm`; TE's norms read the flag themselves.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -22,12 +27,14 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megagate.errors import ConfigError
 from megagate.model.attention import GatedSelfAttention
 from megagate.model.gate import GateConfig
+from megagate.model.norms import ZeroCenteredRMSNorm
 from megagate.model.qkv_layout import check_tensor_parallel
 
 BACKENDS = ("local", "te")
@@ -83,6 +90,24 @@ class SublayerOutputNormBDA(MegatronModule):
         return normed_bda
 
 
+def _local_norms_zero_centered(spec: Any) -> Any:
+    """`spec` (a ModuleSpec, a submodules dataclass or a module class) with megatron's local norm class replaced by
+    ZeroCenteredRMSNorm, in place where it is a spec object (a deep copy is expected)."""
+    if spec is WrappedTorchNorm:
+        return ZeroCenteredRMSNorm
+    if isinstance(spec, ModuleSpec):
+        spec.module = _local_norms_zero_centered(spec.module)
+        spec.submodules = _local_norms_zero_centered(spec.submodules)
+        return spec
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for f in dataclasses.fields(spec):
+            old = getattr(spec, f.name)
+            new = _local_norms_zero_centered(old)
+            if new is not old:
+                setattr(spec, f.name, new)
+    return spec
+
+
 def _norm_builder(layer_spec: ModuleSpec, backend: str) -> Callable[..., Any]:
     if backend == "te":
         from megatron.core.extensions.transformer_engine import TENorm
@@ -94,6 +119,8 @@ def _norm_builder(layer_spec: ModuleSpec, backend: str) -> Callable[..., Any]:
 def gate_layer(layer_spec: ModuleSpec, gate: GateConfig, config: TransformerConfig, backend: str) -> ModuleSpec:
     """A copy of a megatron TransformerLayer spec with the gated attention (and sandwich norm) swapped in."""
     spec = copy.deepcopy(layer_spec)
+    if config.layernorm_zero_centered_gamma and backend != "te":
+        spec = _local_norms_zero_centered(spec)
     attention = spec.submodules.self_attention
     spec.submodules.self_attention = ModuleSpec(
         module=GatedSelfAttention,
@@ -101,7 +128,7 @@ def gate_layer(layer_spec: ModuleSpec, gate: GateConfig, config: TransformerConf
         submodules=attention.submodules,
     )
     if gate.sandwich_norm:
-        norm = _norm_builder(layer_spec, backend)
+        norm = _norm_builder(spec, backend)
         bda = ModuleSpec(module=SublayerOutputNormBDA, params={"config": config, "norm": norm})
         spec.submodules.self_attn_bda = bda
         spec.submodules.mlp_bda = bda
@@ -127,6 +154,8 @@ def gated_decoder_block_spec(
         pp_rank=pp_rank,
     )
     block.layer_specs = [gate_layer(layer, gate, config, backend) for layer in block.layer_specs]
+    if config.layernorm_zero_centered_gamma and backend != "te":
+        block.layer_norm = _local_norms_zero_centered(block.layer_norm)  # the final norm
     return block
 
 

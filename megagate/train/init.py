@@ -121,14 +121,25 @@ def _draw(init: str, name: str, shape: tuple[int, ...], seed: int, std: float, n
 
 
 def initial_value(
-    name: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int, gate: GateParam | None = None
+    name: str,
+    shape: tuple[int, ...],
+    seed: int,
+    std: float,
+    num_layers: int,
+    gate: GateParam | None = None,
+    zero_centered_norms: bool = False,
 ) -> torch.Tensor:
-    """The full initial tensor of the parameter with global name `name` (its gate-table entry, if it has one)."""
+    """The full initial tensor of the parameter with global name `name` (its gate-table entry, if it has one).
+
+    `zero_centered_norms`: the model's norms compute (1 + w) (ModelConfig.norm_zero_centered), so their weights
+    start at zeros instead of ones."""
     if gate is not None:
         if tuple(gate.shape) != tuple(shape):
             raise ValueError(f"gate parameter {name!r} is built {tuple(shape)} but its table entry says {gate.shape}")
         return _draw(gate.init, name, shape, seed, std, num_layers)
-    return _draw(rule_for(name).init, name, shape, seed, std, num_layers)
+    rule = rule_for(name)
+    init = "zeros" if zero_centered_norms and rule.what == "norm weight" else rule.init
+    return _draw(init, name, shape, seed, std, num_layers)
 
 
 @torch.no_grad()
@@ -142,11 +153,13 @@ def initialize(model_chunks: list[torch.nn.Module], seed: int, std: float, num_l
     count = 0
     for chunk in model_chunks:
         gate_entries = _gate_entries(chunk)
+        zero_centered = bool(getattr(getattr(chunk, "config", None), "layernorm_zero_centered_gamma", False))
         for name, param in chunk.named_parameters():
             # expert weights are sharded over the expert-tensor-parallel group, the others over TP
             rank, size = etp if ".experts." in name else tp
             global_name = _global_name(name, chunk, ep_rank)
-            full = initial_value(global_name, _full_shape(param, size), seed, std, num_layers, gate_entries.get(name))
+            shape = _full_shape(param, size)
+            full = initial_value(global_name, shape, seed, std, num_layers, gate_entries.get(name), zero_centered)
             param.copy_(_shard(full, name, param, rank, size, glu).to(param.dtype))
             count += 1
     return count

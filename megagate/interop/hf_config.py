@@ -1,0 +1,310 @@
+"""Which Hugging Face format holds which megagate model, and the config.json of each (both directions).
+
+Formats (FORMATS), each exact for the models it accepts:
+
+    qwen3       Qwen3ForCausalLM      baseline (no gate), dense, QK-norm, plain RMSNorm weights
+    qwen3_moe   Qwen3MoeForCausalLM   baseline MoE (softmax router, top-k, norm_topk_prob), every layer MoE
+    qwen3_next  Qwen3NextForCausalLM  G1 elementwise sigmoid gate, zero-centred (1 + w) norms, partial rotary;
+                                      every layer "full_attention"; dense through mlp_only_layers = all layers;
+                                      MoE with shared_expert_intermediate_size 0 (see megagate.interop.hf_weights)
+    paper       the paper's released Qwen3 code (model_type "qwen3" with `elementwise_attn_output_gate` /
+                `headwise_attn_output_gate`, `use_qk_norm`, `qkv_bias`): baseline, G1 elementwise or G1 headwise
+                sigmoid gates, dense only (its decoder layer builds a dense MLP), plain RMSNorm weights
+
+Every format holds plain RoPE (rope_theta = model.rotary_base); only qwen3_next holds a partial rotary
+(partial_rotary_factor = rotary_percent). Anything else (LayerNorm, other gate variants, YaRN / interpolation /
+Llama-3 scaling, a baseline without QK-norm outside `paper`) is refused in one line naming the field and the formats
+that can hold the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from megagate.errors import ConfigError
+from megagate.model import gate as gates
+from megagate.model.config import ModelConfig
+
+FORMATS = ("qwen3", "qwen3_moe", "qwen3_next", "paper")
+ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "paper": "Qwen3ForCausalLM",
+}
+MODEL_TYPES = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen3_next": "qwen3_next", "paper": "qwen3"}
+# The gates each format can hold, by preset name.
+FORMAT_GATES = {
+    "qwen3": ("baseline",),
+    "qwen3_moe": ("baseline",),
+    "qwen3_next": ("g1-elementwise",),
+    "paper": ("baseline", "g1-elementwise", "g1-headwise"),
+}
+# The paper's config flags: their presence marks a model_type "qwen3" config as the paper's code.
+PAPER_FLAGS = ("elementwise_attn_output_gate", "headwise_attn_output_gate", "use_qk_norm", "qkv_bias")
+
+
+def gate_name(gate: gates.GateConfig) -> str | None:
+    """The preset name of a gate that some format can hold (baseline, g1-elementwise, g1-headwise), else None."""
+    for name in ("baseline", "g1-elementwise", "g1-headwise"):
+        if gate == gates.preset(name):
+            return name
+    return None
+
+
+def _problem(model: ModelConfig, fmt: str) -> str | None:
+    """Why `fmt` cannot hold `model` exactly (one clause naming the field), or None when it can."""
+    name = gate_name(model.gate)
+    if name not in FORMAT_GATES[fmt]:
+        variant = name or model.gate.describe()
+        return f"gate variant {variant!r} cannot be held by the {fmt} format (it holds {', '.join(FORMAT_GATES[fmt])})"
+    if model.is_moe and fmt in ("qwen3", "paper"):
+        why = "dense only" if fmt == "qwen3" else "dense only: the paper's code builds a dense MLP in every layer"
+        return f"model.num_experts={model.num_experts}: the {fmt} format is {why}"
+    if not model.is_moe and fmt == "qwen3_moe":
+        return "model.num_experts=0: the qwen3_moe format holds MoE models (use qwen3 for dense)"
+    if model.normalization != "RMSNorm":
+        return f"model.normalization={model.normalization!r}: the {fmt} format uses RMSNorm"
+    if fmt == "qwen3_next" and not model.norm_zero_centered:
+        return "model.norm_zero_centered=false: Qwen3-Next's norms are zero-centred (1 + w)"
+    if fmt != "qwen3_next" and model.norm_zero_centered:
+        return f"model.norm_zero_centered=true: the {fmt} format's norms are plain (w)"
+    if not model.qk_layernorm and fmt != "paper":
+        return f"model.qk_layernorm=false: the {fmt} format always has QK-norm (the paper format does not need it)"
+    if model.position_embedding != "rope":
+        return f"model.position_embedding={model.position_embedding!r}: the {fmt} config holds plain RoPE only"
+    if model.rotary_interpolation_factor is not None:
+        return f"model.rotary_interpolation_factor={model.rotary_interpolation_factor!r}: plain RoPE only"
+    if model.rope_scaling:
+        return "model.rope_scaling=true: the HF config holds plain RoPE only"
+    if model.rotary_percent != 1.0 and fmt != "qwen3_next":
+        return f"model.rotary_percent={model.rotary_percent!r}: the {fmt} format rotates every head dim"
+    return None
+
+
+def formats_for(model: ModelConfig) -> list[str]:
+    """The formats that hold `model` exactly, in order of preference (the first is the default)."""
+    return [fmt for fmt in FORMATS if _problem(model, fmt) is None]
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ConfigError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
+
+
+def check_exportable(model: ModelConfig, fmt: str) -> None:
+    """One-line ConfigError naming the variant/field and the formats that can hold the model, unless `fmt` can."""
+    _check_format(fmt)
+    problem = _problem(model, fmt)
+    if problem is not None:
+        holders = ", ".join(formats_for(model)) or "none"
+        raise ConfigError(f"{problem}; formats that hold this model: {holders}")
+
+
+def default_format(model: ModelConfig) -> str:
+    """baseline dense -> qwen3, baseline MoE -> qwen3_moe, G1 elementwise -> qwen3_next (zero-centred norms) or
+    paper, G1 headwise -> paper; a ConfigError naming the reason when none holds it."""
+    found = formats_for(model)
+    if not found:
+        check_exportable(model, "qwen3_next" if gate_name(model.gate) == "g1-elementwise" else "paper")
+    return found[0]
+
+
+def hf_config(model: ModelConfig, fmt: str) -> dict[str, Any]:
+    """config.json content of `model` in `fmt` (every field the HF class reads, float32)."""
+    check_exportable(model, fmt)
+    layers = model.num_layers
+    config: dict[str, Any] = dict(
+        architectures=[ARCHITECTURES[fmt]],
+        model_type=MODEL_TYPES[fmt],
+        torch_dtype="float32",
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.ffn_hidden_size if model.is_moe else model.effective_ffn_hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_query_groups,
+        head_dim=model.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=model.max_sequence_length,
+        initializer_range=model.init_method_std,
+        rms_norm_eps=model.norm_epsilon,
+        use_cache=True,
+        tie_word_embeddings=model.tie_embeddings,
+        rope_theta=float(model.rotary_base),
+        rope_scaling=None,
+        attention_bias=False,
+        attention_dropout=0.0,
+    )
+    if fmt in ("qwen3", "paper"):
+        config.update(
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=layers,
+            layer_types=["full_attention"] * layers,
+        )
+    if fmt == "paper":
+        name = gate_name(model.gate)
+        config.update(
+            use_qk_norm=model.qk_layernorm,
+            qkv_bias=False,
+            elementwise_attn_output_gate=name == "g1-elementwise",
+            headwise_attn_output_gate=name == "g1-headwise",
+        )
+    moe = dict(
+        decoder_sparse_step=1,
+        num_experts=model.num_experts,
+        num_experts_per_tok=model.moe_router_topk,
+        moe_intermediate_size=model.moe_ffn_hidden_size,
+        norm_topk_prob=model.moe_router_norm_topk,
+        output_router_logits=False,
+        router_aux_loss_coef=model.moe_aux_loss_coeff,
+        mlp_only_layers=[],
+    )
+    if fmt == "qwen3_moe":
+        config.update(moe, use_sliding_window=False, sliding_window=None, max_window_layers=layers)
+    if fmt == "qwen3_next":
+        config.update(moe)
+        if not model.is_moe:  # every layer a dense MLP of intermediate_size
+            config.update(
+                num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, mlp_only_layers=list(range(layers))
+            )
+        config.update(
+            shared_expert_intermediate_size=0,  # no shared expert: zero-size tensors whose output is exactly 0
+            partial_rotary_factor=model.rotary_percent,
+            layer_types=["full_attention"] * layers,
+            # Gated DeltaNet sizes: unused with every layer full attention, written as transformers' defaults
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+        )
+    return config
+
+
+# --- config.json -> ModelConfig ------------------------------------------------------------------------------------
+def _detect_format(config: Mapping[str, Any]) -> str:
+    model_type = config.get("model_type")
+    if model_type == "qwen3":
+        fmt = "paper" if any(flag in config for flag in PAPER_FLAGS) else "qwen3"
+    elif model_type in ("qwen3_moe", "qwen3_next"):
+        fmt = model_type
+    else:
+        raise ConfigError(
+            f"config.json model_type={model_type!r} is not one megagate reads (qwen3, qwen3_moe, qwen3_next, and the "
+            "paper's qwen3 with attn_output_gate flags)"
+        )
+    architectures = config.get("architectures") or [ARCHITECTURES[fmt]]
+    if list(architectures) != [ARCHITECTURES[fmt]]:
+        raise ConfigError(f"config.json architectures={architectures!r}: {fmt} needs [{ARCHITECTURES[fmt]!r}]")
+    return fmt
+
+
+def _required(config: Mapping[str, Any], key: str) -> Any:
+    if key not in config:
+        raise ConfigError(f"config.json has no {key!r} (needed to build the model)")
+    return config[key]
+
+
+def _refuse(config: Mapping[str, Any], key: str, allowed: Any, why: str) -> None:
+    value = config.get(key, allowed)
+    if value != allowed:
+        raise ConfigError(f"config.json {key}={value!r} cannot be held by megagate ({why}; allowed: {allowed!r})")
+
+
+def _int_theta(theta: Any) -> int:
+    if (
+        isinstance(theta, bool)
+        or not isinstance(theta, (int, float))
+        or not math.isfinite(theta)
+        or theta != int(theta)
+    ):
+        raise ConfigError(f"config.json rope_theta={theta!r} must be an integer value (megagate's rotary_base)")
+    return int(theta)
+
+
+def model_config_from_hf(config: Mapping[str, Any]) -> tuple[ModelConfig, str]:
+    """The megagate ModelConfig of a config.json, and its format; a one-line ConfigError for what megagate cannot
+    hold exactly. Dense models get match_baseline_params=False (intermediate_size is the FFN width built)."""
+    fmt = _detect_format(config)
+    layers = _required(config, "num_hidden_layers")
+    _refuse(config, "hidden_act", "silu", "SwiGLU with SiLU only")
+    _refuse(config, "rope_scaling", None, "plain RoPE only")
+    _refuse(config, "attention_bias", False, "no biases")
+    _refuse(config, "qkv_bias", False, "no biases")
+    _refuse(config, "use_sliding_window", False, "full attention only")
+    _refuse(config, "attention_dropout", 0.0, "no attention dropout")
+    if "layer_types" in config and list(config["layer_types"]) != ["full_attention"] * layers:
+        kinds = sorted(set(config["layer_types"]) - {"full_attention"})
+        raise ConfigError(f"config.json layer_types has {kinds}: megagate holds full-attention layers only")
+    values: dict[str, Any] = dict(
+        num_layers=layers,
+        hidden_size=_required(config, "hidden_size"),
+        num_attention_heads=_required(config, "num_attention_heads"),
+        num_query_groups=_required(config, "num_key_value_heads"),
+        head_dim=_required(config, "head_dim"),
+        ffn_hidden_size=_required(config, "intermediate_size"),
+        vocab_size=_required(config, "vocab_size"),
+        max_sequence_length=_required(config, "max_position_embeddings"),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qk_layernorm=True,
+        normalization="RMSNorm",
+        rotary_base=_int_theta(_required(config, "rope_theta")),
+        norm_epsilon=float(_required(config, "rms_norm_eps")),
+        init_method_std=float(config.get("initializer_range", 0.02)),
+        match_baseline_params=False,
+        gate=gates.preset("baseline"),
+    )
+    if fmt == "paper":
+        elementwise = bool(config.get("elementwise_attn_output_gate", False))
+        headwise = bool(config.get("headwise_attn_output_gate", False))
+        # the paper's code checks headwise first: both set means headwise; refuse the ambiguity instead
+        if elementwise and headwise:
+            raise ConfigError("config.json sets both elementwise_ and headwise_attn_output_gate: choose one")
+        values["qk_layernorm"] = bool(config.get("use_qk_norm", True))
+        if elementwise or headwise:
+            values["gate"] = gates.preset("g1-elementwise" if elementwise else "g1-headwise")
+    if fmt == "qwen3_next":
+        values.update(
+            gate=gates.preset("g1-elementwise"),
+            norm_zero_centered=True,
+            rotary_percent=float(config.get("partial_rotary_factor", 0.25)),
+        )
+        _refuse(config, "shared_expert_intermediate_size", 0, "no shared expert")
+    if fmt in ("qwen3_moe", "qwen3_next"):
+        experts = int(config.get("num_experts", 0) or 0)
+        mlp_only = list(config.get("mlp_only_layers") or [])
+        dense = experts == 0 or (fmt == "qwen3_next" and mlp_only == list(range(layers)))
+        if fmt == "qwen3_moe" and dense:
+            raise ConfigError("config.json num_experts=0: a qwen3_moe config without experts (use qwen3 for dense)")
+        if not dense:
+            _refuse(config, "decoder_sparse_step", 1, "every layer MoE")
+            if mlp_only:
+                raise ConfigError(
+                    f"config.json mlp_only_layers={mlp_only!r}: megagate's MoE models are MoE in every layer"
+                )
+            values.update(
+                num_experts=experts,
+                moe_router_topk=_required(config, "num_experts_per_tok"),
+                moe_ffn_hidden_size=_required(config, "moe_intermediate_size"),
+                moe_router_norm_topk=bool(config.get("norm_topk_prob", fmt == "qwen3_next")),
+                moe_aux_loss_coeff=float(config.get("router_aux_loss_coef", 1e-3)),
+            )
+    model = ModelConfig(**values)
+    check_exportable(model, fmt)
+    return model, fmt
+
+
+def same_architecture(a: ModelConfig, b: ModelConfig) -> bool:
+    """Whether two ModelConfigs build the same model (FFN compared as built, training-only fields ignored)."""
+    ignore = {"match_baseline_params", "ffn_multiple", "ffn_hidden_size", "init_method_std", "moe_aux_loss_coeff",
+              "moe_z_loss_coeff", "moe_load_balancing", "recompute_granularity", "recompute_method",
+              "recompute_num_layers"}  # fmt: skip
+    fields = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ignore]
+    return all(getattr(a, f) == getattr(b, f) for f in fields) and (
+        a.effective_ffn_hidden_size == b.effective_ffn_hidden_size
+    )

@@ -1,0 +1,248 @@
+"""megagate (megatron GPTModel, TP = PP = EP = 1, local backend names) tensors <-> Hugging Face tensors.
+
+Pure reindexing, splitting and concatenation: every tensor that comes out is bit-identical to the values it came
+from, contiguous and with its own storage (safetensors writes it as is). Every key and shape going in is checked
+against the ModelConfig first; a missing, extra or misshaped tensor is a one-line ConfigError naming the key and
+the expected vs given shape, never wrong weights.
+
+    embedding.word_embeddings.weight                  model.embed_tokens.weight
+    decoder.layers.N.input_layernorm.weight           model.layers.N.input_layernorm.weight
+    decoder.layers.N.self_attention.linear_qkv        model.layers.N.self_attn.{q,k,v}_proj (megagate.model.qkv_layout)
+    decoder.layers.N.self_attention.linear_proj       model.layers.N.self_attn.o_proj
+    decoder.layers.N.self_attention.{q,k}_layernorm   model.layers.N.self_attn.{q,k}_norm
+    decoder.layers.N.pre_mlp_layernorm.weight         model.layers.N.post_attention_layernorm.weight
+    decoder.layers.N.mlp.linear_fc1 ([gate; up])      model.layers.N.mlp.{gate,up}_proj
+    decoder.layers.N.mlp.linear_fc2                   model.layers.N.mlp.down_proj
+    decoder.layers.N.mlp.router.weight                model.layers.N.mlp.gate.weight
+    ...mlp.experts.local_experts.E.linear_fc{1,2}     model.layers.N.mlp.experts.E.{gate,up,down}_proj
+    decoder.final_layernorm.weight                    model.norm.weight
+    output_layer.weight (untied only)                 lm_head.weight (untied only: a tied model has none)
+
+Qwen3-Next MoE always builds a shared expert; megagate's MoE has none. It is represented exactly by
+shared_expert_intermediate_size 0: `shared_expert.{gate,up}_proj.weight` [0, h] and `down_proj.weight` [h, 0] are
+zero-size (their output is exactly 0, so `sigmoid(shared_expert_gate(x)) * 0` adds nothing), and
+`shared_expert_gate.weight` [1, h] is written as zeros; reading requires exactly that (zeros), so HF -> megagate ->
+HF gives back the same tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from megagate.errors import ConfigError
+from megagate.interop.hf_config import check_exportable, gate_name
+from megagate.model import qkv_layout
+from megagate.model.config import ModelConfig
+
+Shape = tuple[int, ...]
+
+
+def _owned(t: Tensor) -> Tensor:
+    """A contiguous copy with its own storage (bit-identical)."""
+    return torch.clone(t.detach(), memory_format=torch.contiguous_format)
+
+
+def _qkv_rows(model: ModelConfig, fmt: str) -> tuple[int, int]:
+    """(megagate linear_qkv rows, HF q_proj rows)."""
+    n, g, d = model.num_attention_heads, model.num_query_groups, model.head_dim
+    layout = qkv_layout.qkv_layout(model.gate, n, g, d)
+    return layout.rows, layout.rows - 2 * g * d
+
+
+def megatron_shapes(model: ModelConfig) -> dict[str, Shape]:
+    """Every tensor of megagate's GPTModel state_dict() (TP = PP = EP = 1, local backend, no `_extra_state`)."""
+    h, v, d = model.hidden_size, model.vocab_size, model.head_dim
+    shapes: dict[str, Shape] = {"embedding.word_embeddings.weight": (v, h)}
+    qkv_rows, _ = _qkv_rows(model, "")
+    for i in range(model.num_layers):
+        p = f"decoder.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attention.linear_qkv.weight"] = (qkv_rows, h)
+        shapes[p + "self_attention.linear_proj.weight"] = (h, model.num_attention_heads * d)
+        if model.qk_layernorm:
+            shapes[p + "self_attention.q_layernorm.weight"] = (d,)
+            shapes[p + "self_attention.k_layernorm.weight"] = (d,)
+        shapes[p + "pre_mlp_layernorm.weight"] = (h,)
+        if model.is_moe:
+            f = model.moe_ffn_hidden_size
+            shapes[p + "mlp.router.weight"] = (model.num_experts, h)
+            for e in range(model.num_experts):
+                shapes[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
+                shapes[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
+        else:
+            f = model.effective_ffn_hidden_size
+            shapes[p + "mlp.linear_fc1.weight"] = (2 * f, h)
+            shapes[p + "mlp.linear_fc2.weight"] = (h, f)
+    shapes["decoder.final_layernorm.weight"] = (h,)
+    if not model.tie_embeddings:
+        shapes["output_layer.weight"] = (v, h)
+    return shapes
+
+
+def _mlp_pairs(mg: str, hf: str) -> list[tuple[str, str]]:
+    return [(mg + "linear_fc2.weight", hf + "down_proj.weight")]
+
+
+def _direct_pairs(model: ModelConfig) -> list[tuple[str, str]]:
+    """(megagate key, HF key) of every tensor copied unchanged."""
+    pairs = [("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
+    for i in range(model.num_layers):
+        p, q = f"decoder.layers.{i}.", f"model.layers.{i}."
+        pairs += [
+            (p + "input_layernorm.weight", q + "input_layernorm.weight"),
+            (p + "self_attention.linear_proj.weight", q + "self_attn.o_proj.weight"),
+            (p + "pre_mlp_layernorm.weight", q + "post_attention_layernorm.weight"),
+        ]
+        if model.qk_layernorm:
+            pairs += [
+                (p + "self_attention.q_layernorm.weight", q + "self_attn.q_norm.weight"),
+                (p + "self_attention.k_layernorm.weight", q + "self_attn.k_norm.weight"),
+            ]
+        if model.is_moe:
+            pairs.append((p + "mlp.router.weight", q + "mlp.gate.weight"))
+            for e in range(model.num_experts):
+                pairs += _mlp_pairs(p + f"mlp.experts.local_experts.{e}.", q + f"mlp.experts.{e}.")
+        else:
+            pairs += _mlp_pairs(p + "mlp.", q + "mlp.")
+    pairs.append(("decoder.final_layernorm.weight", "model.norm.weight"))
+    if not model.tie_embeddings:
+        pairs.append(("output_layer.weight", "lm_head.weight"))
+    return pairs
+
+
+def _fc1_pairs(model: ModelConfig) -> list[tuple[str, str]]:
+    """(megagate linear_fc1 key, HF MLP prefix) of every SwiGLU fc1 ([gate; up] halves)."""
+    pairs = []
+    for i in range(model.num_layers):
+        p, q = f"decoder.layers.{i}.", f"model.layers.{i}."
+        if model.is_moe:
+            for e in range(model.num_experts):
+                pairs.append((p + f"mlp.experts.local_experts.{e}.linear_fc1.weight", q + f"mlp.experts.{e}."))
+        else:
+            pairs.append((p + "mlp.linear_fc1.weight", q + "mlp."))
+    return pairs
+
+
+def _shared_expert_shapes(model: ModelConfig, fmt: str) -> dict[str, Shape]:
+    if fmt != "qwen3_next" or not model.is_moe:
+        return {}
+    h, shapes = model.hidden_size, {}
+    for i in range(model.num_layers):
+        q = f"model.layers.{i}.mlp."
+        shapes[q + "shared_expert.gate_proj.weight"] = (0, h)
+        shapes[q + "shared_expert.up_proj.weight"] = (0, h)
+        shapes[q + "shared_expert.down_proj.weight"] = (h, 0)
+        shapes[q + "shared_expert_gate.weight"] = (1, h)
+    return shapes
+
+
+def hf_shapes(model: ModelConfig, fmt: str) -> dict[str, Shape]:
+    """Every tensor of the HF model's state dict in `fmt` (a tied model has no lm_head.weight, as HF saves it)."""
+    check_exportable(model, fmt)
+    mg = megatron_shapes(model)
+    shapes = {hf: mg[key] for key, hf in _direct_pairs(model)}
+    _, q_rows = _qkv_rows(model, fmt)
+    kv = (model.num_query_groups * model.head_dim, model.hidden_size)
+    for i in range(model.num_layers):
+        q = f"model.layers.{i}.self_attn."
+        shapes[q + "q_proj.weight"] = (q_rows, model.hidden_size)
+        shapes[q + "k_proj.weight"] = kv
+        shapes[q + "v_proj.weight"] = kv
+    for key, prefix in _fc1_pairs(model):
+        rows, h = mg[key]
+        shapes[prefix + "gate_proj.weight"] = (rows // 2, h)
+        shapes[prefix + "up_proj.weight"] = (rows // 2, h)
+    shapes.update(_shared_expert_shapes(model, fmt))
+    return shapes
+
+
+def _check_tensors(what: str, tensors: Mapping[str, Tensor], expected: Mapping[str, Shape]) -> None:
+    """Exactly the expected keys, each with the expected shape (one-line ConfigError otherwise)."""
+    missing = [k for k in expected if k not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConfigError(f"{what}: missing {missing[0]} (expected shape {expected[missing[0]]}){more}")
+    extra = [k for k in tensors if k not in expected]
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        shape = tuple(getattr(tensors[extra[0]], "shape", ()))
+        raise ConfigError(f"{what}: unexpected {extra[0]} (shape {shape}) for this model config{more}")
+    for key, shape in expected.items():
+        given = tuple(getattr(tensors[key], "shape", ()))
+        if not isinstance(tensors[key], Tensor) or given != tuple(shape):
+            raise ConfigError(f"{what}: {key} has shape {given}, expected {tuple(shape)} for this model config")
+
+
+def _qkv_converters(model: ModelConfig, fmt: str) -> tuple[Callable, Callable]:
+    """(megagate linear_qkv -> (q, k, v), (q, k, v) -> linear_qkv) for the format's layout."""
+    n, g, d = model.num_attention_heads, model.num_query_groups, model.head_dim
+    name = gate_name(model.gate)
+    if name == "baseline":
+        return (lambda w: qkv_layout.to_qwen3(w, n, g, d)), (lambda q, k, v: qkv_layout.from_qwen3(q, k, v, n, g, d))
+    if fmt == "qwen3_next":
+        return (
+            lambda w: qkv_layout.to_qwen3_next(w, n, g, d),
+            lambda q, k, v: qkv_layout.from_qwen3_next(q, k, v, n, g, d),
+        )
+    granularity = "elementwise" if name == "g1-elementwise" else "headwise"
+    return (
+        lambda w: qkv_layout.to_paper(w, n, g, d, granularity),
+        lambda q, k, v: qkv_layout.from_paper(q, k, v, n, g, d, granularity),
+    )
+
+
+def _without_extra_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+
+
+def to_hf_state_dict(model: ModelConfig, fmt: str, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """megagate GPTModel state_dict() (TP = PP = EP = 1; `_extra_state` entries are ignored) -> HF tensors."""
+    check_exportable(model, fmt)
+    state = _without_extra_state(state)
+    _check_tensors("megagate state", state, megatron_shapes(model))
+    out = {hf: _owned(state[key]) for key, hf in _direct_pairs(model)}
+    split_qkv, _ = _qkv_converters(model, fmt)
+    for i in range(model.num_layers):
+        q_proj, k_proj, v_proj = split_qkv(state[f"decoder.layers.{i}.self_attention.linear_qkv.weight"])
+        prefix = f"model.layers.{i}.self_attn."
+        out.update(
+            {prefix + "q_proj.weight": q_proj, prefix + "k_proj.weight": k_proj, prefix + "v_proj.weight": v_proj}
+        )
+    for key, prefix in _fc1_pairs(model):
+        gate, up = torch.chunk(state[key], 2, dim=0)  # megatron's SwiGLU: silu(first half) * second half
+        out[prefix + "gate_proj.weight"], out[prefix + "up_proj.weight"] = _owned(gate), _owned(up)
+    dtype = state["embedding.word_embeddings.weight"].dtype
+    for key, shape in _shared_expert_shapes(model, fmt).items():
+        out[key] = torch.zeros(shape, dtype=dtype)
+    return out
+
+
+def from_hf_state_dict(model: ModelConfig, fmt: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """HF tensors of `fmt` -> the megagate GPTModel tensors `load_state_dict(strict=False)` needs (all but
+    `_extra_state`). A tied model's lm_head.weight may be present only as an exact copy of the embedding."""
+    check_exportable(model, fmt)
+    tensors = dict(tensors)
+    if model.tie_embeddings and "lm_head.weight" in tensors:
+        head, embed = tensors.pop("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+        if embed is None or head.shape != embed.shape or not torch.equal(head, embed):
+            raise ConfigError(
+                "HF tensors: lm_head.weight differs from model.embed_tokens.weight, but the config ties them"
+            )
+    _check_tensors(f"HF {fmt} tensors", tensors, hf_shapes(model, fmt))
+    for key in _shared_expert_shapes(model, fmt):
+        if key.endswith("shared_expert_gate.weight") and torch.count_nonzero(tensors[key]):
+            raise ConfigError(
+                f"HF tensors: {key} must be zeros with shared_expert_intermediate_size 0 (megagate has no shared expert)"
+            )
+    out = {key: _owned(tensors[hf]) for key, hf in _direct_pairs(model)}
+    _, fuse_qkv = _qkv_converters(model, fmt)
+    for i in range(model.num_layers):
+        prefix = f"model.layers.{i}.self_attn."
+        q, k, v = (tensors[prefix + f"{name}_proj.weight"] for name in ("q", "k", "v"))
+        out[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = _owned(fuse_qkv(q, k, v))
+    for key, prefix in _fc1_pairs(model):
+        out[key] = torch.cat([tensors[prefix + "gate_proj.weight"], tensors[prefix + "up_proj.weight"]], dim=0)
+    return out
