@@ -16,7 +16,7 @@ from types import ModuleType
 
 from megagate.errors import MegagateError
 
-# name -> one-line help; the module is megagate.commands.<name>
+# name -> one-line help; the module is megagate.commands.<name> (or _MODULES[name])
 COMMANDS: dict[str, str] = {
     "train": "train a gated GPT from a YAML config (torchrun, srun or a single process)",
     "plan": "per-GPU memory and step time of a config on N nodes (--search: the fitting layouts, fastest first)",
@@ -24,6 +24,8 @@ COMMANDS: dict[str, str] = {
     "sweep": "run a stability grid (learning rates x gate variants x seeds) locally or as a Slurm job array",
     "report": "aggregate run directories into a table (loss, ppl, spikes, divergence, F-Attn, M-Act) and plots",
     "analyze": "per-layer gate / attention-sink / massive-activation diagnostics of a checkpoint, with PNG plots",
+    "export": "write a checkpoint (any TP/PP/EP layout) as a Hugging Face folder (Qwen3 / Qwen3-MoE / Qwen3-Next / paper)",
+    "import": "read a Hugging Face folder (Qwen3 / Qwen3-MoE / Qwen3-Next / paper) into a checkpoint to train or analyse",
     "eval": "perplexity of checkpoints per dataset, length and position (RoPE/YaRN overrides), F-Attn/M-Act, plot",
     "preprocess": "tokenize JSONL/text into megatron .bin/.idx datasets (parallel, streaming, atomic)",
     "tokenizer": "train a byte-level BPE tokenizer, or check the fast engine against HF",
@@ -31,6 +33,8 @@ COMMANDS: dict[str, str] = {
     "variants": "list the gate presets and the paper's parameter counts",
     "demo": "the CPU demo: real-text data, baseline vs gated tiny models trained with megagate train, loss-curve plot",
 }
+
+_MODULES = {"import": "import_hf"}  # a command whose name is a Python keyword
 
 
 class _UsageError(Exception):
@@ -61,7 +65,7 @@ def os_error_message(exc: OSError) -> str | None:
 
 def command_module(name: str) -> ModuleType:
     """The module implementing command `name` (megagate.commands.<name>)."""
-    return importlib.import_module(f"megagate.commands.{name}")
+    return importlib.import_module(f"megagate.commands.{_MODULES.get(name, name)}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -118,6 +118,13 @@ def w(tmp_path_factory) -> dict[str, str]:
     (cache / "abc-GPTDataset-train-sample_index.npy").write_bytes(b"")
     p["run_badcache"] = str(d / "run_badcache")
     p["badcache"] = str(cache)
+    # Hugging Face folders for `import` / `analyze HF_DIR`: another architecture, a config.json that is not JSON
+    (d / "hf_llama").mkdir()
+    (d / "hf_llama" / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    p["hf_llama"] = str(d / "hf_llama")
+    (d / "hf_badjson").mkdir()
+    (d / "hf_badjson" / "config.json").write_text('{"model_type": ')
+    p["hf_badjson"] = str(d / "hf_badjson")
     (d / "run_ok").mkdir()
     (d / "run_ok" / "metrics.jsonl").write_text(good_metrics)
     p["run_ok"] = str(d / "run_ok")
@@ -386,6 +393,20 @@ CASES = [
     C("analyze-missing-checkpoint", "analyze {work}/ckpt", "ckpt", "analysis"),
     C("analyze-seq-len", "analyze {work}/ckpt --seq-len 1", "1", "analysis"),
     C("analyze-text-missing", "analyze {work}/ckpt --text {work}/none.txt", "none.txt", "analysis"),
+    # --- export / import / analyze HF_DIR (cases needing a checkpoint: tests/interop/test_export_import.py) -------
+    C("export-missing-checkpoint", "export {work}/ckpt --out {work}/hf", "ckpt", "hf"),
+    C("export-unknown-format", "export {work}/ckpt --format gguf --out {work}/hf", "gguf", "hf"),
+    C("export-dtype", "export {work}/ckpt --dtype float8 --out {work}/hf", "float8", "hf"),
+    C("export-shard-size", "export {work}/ckpt --max-shard-size big --out {work}/hf", "big", "hf"),
+    C("export-out-not-empty", "export {work}/ckpt --out {d}", "{d}"),
+    C("export-no-out", "export {work}/ckpt", "--out"),
+    C("import-missing-folder", "import {work}/nohf --out {work}/ck", "nohf", "ck"),
+    C("import-no-config-json", "import {empty_dir} --out {work}/ck", "config.json", "ck"),
+    C("import-config-not-json", "import {hf_badjson} --out {work}/ck", "config.json", "ck"),
+    C("import-model-type", "import {hf_llama} --out {work}/ck", "llama", "ck"),
+    C("import-unknown-format", "import {hf_llama} --format gguf --out {work}/ck", "gguf", "ck"),
+    C("import-out-not-empty", "import {hf_llama} --out {d}", "{d}"),
+    C("analyze-hf-model-type", "analyze {hf_llama}", "llama", "analysis"),
     # --- eval (the cases that need a trained checkpoint are in tests/eval/test_eval.py) ---------------------------
     C("eval-missing-checkpoint", "eval {work}/ckpt --data {ds} --seq-lengths 16", "ckpt", "eval"),
     C("eval-rope-unknown-key", "eval {work}/ckpt --data {ds} --seq-lengths 16 --rope rotary_speed=2", "rotary_speed"),
@@ -474,6 +495,8 @@ def test_table_is_large_and_distinct():
         "data",
         "tokenizer",
         "analyze",
+        "export",
+        "import",
         "report",
         "variants",
         "plan",

@@ -13,7 +13,11 @@ from megagate.monitor.analyze import SAMPLE_TEXT, analyze_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a training checkpoint directory")
+    parser.add_argument(
+        "checkpoint",
+        help="a training checkpoint (iter_NNNNNNN, checkpoint root or run folder), or a Hugging Face folder "
+        "(config.json of a qwen3 / qwen3_moe / qwen3_next / paper model, safetensors, tokenizer.json)",
+    )
     parser.add_argument("--text", default=None, help="a UTF-8 text file to probe with (default: a built-in paragraph)")
     parser.add_argument("--out", default="analysis", help="folder for the PNG plots and table.txt (default: analysis)")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
@@ -36,9 +40,12 @@ def run(args: argparse.Namespace) -> int:
     if args.text is not None and not Path(args.text).is_file():
         raise MegagateError(f"--text {args.text}: no such file")
     text = Path(args.text).read_text(encoding="utf-8") if args.text else SAMPLE_TEXT
+    from megagate.interop.hf_io import is_hf_folder, load_hf_for_analysis
     from megagate.train.load import load_model_for_analysis
 
-    model, encode = load_model_for_analysis(args.checkpoint)
+    # a Hugging Face folder is imported in memory (nothing is written next to it)
+    load = load_hf_for_analysis if is_hf_folder(args.checkpoint) else load_model_for_analysis
+    model, encode = load(args.checkpoint)
     tokens = text_batch(encode(text), args.seq_len, args.batch)
     device = next(model.parameters()).device
     table = analyze_model(model, tokens.to(device), args.out)

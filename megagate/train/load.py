@@ -45,8 +45,11 @@ def run_tokenizer(data: object) -> str | None:
     return data.tokenizer
 
 
-def load_model_for_analysis(checkpoint_dir: str | Path) -> tuple[torch.nn.Module, Callable[[str], list[int]]]:
-    """(model in eval mode, text -> token ids) from a trainer checkpoint (iter_NNNNNNN folder).
+def load_model_for_analysis(
+    checkpoint_dir: str | Path, need_tokenizer: bool = True
+) -> tuple[torch.nn.Module, Callable[[str], list[int]] | None]:
+    """(model in eval mode, text -> token ids) from a trainer checkpoint (iter_NNNNNNN folder); the encoder is
+    None for a run without a tokenizer when `need_tokenizer` is False (an export of weights only).
 
     The run's config (saved in the checkpoint's megagate.json) rebuilds the model as one TP = PP = 1 module in
     this process; megatron's dist_checkpointing reshards the saved model tensors into it (any training layout),
@@ -87,9 +90,9 @@ def load_model_for_analysis(checkpoint_dir: str | Path) -> tuple[torch.nn.Module
     # The trainer's reader and checks, minus this machine's: the run's data files need not be here to analyse it.
     cfg = config_mod.from_dict(meta["config"], environment=False)
     tokenizer_path = run_tokenizer(cfg.data)
-    if tokenizer_path is None:
+    if tokenizer_path is None and need_tokenizer:
         raise MegagateError(f"checkpoint {str(path)!r}: the run has no tokenizer (mock data?) to encode text with")
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = None if tokenizer_path is None else load_tokenizer(tokenizer_path)
 
     megatron_cpu.install()
     _ensure_single_process_world()
@@ -111,4 +114,4 @@ def load_model_for_analysis(checkpoint_dir: str | Path) -> tuple[torch.nn.Module
     def encode(text: str) -> list[int]:
         return [int(i) for i in tokenizer.encode(text)]
 
-    return model, encode
+    return model, (None if tokenizer is None else encode)
