@@ -1,19 +1,53 @@
-"""`megagate report RUNS...`: a table over run directories (loss, ppl, spikes, divergence, F-Attn, M-Act) and plots."""
+"""`megagate report RUNS...`: per-run and per-group (over seeds) tables over run directories (loss, ppl, spikes,
+divergence, F-Attn, M-Act, curve spikes vs the spike monitor), aggregate.json and plots."""
 
 from __future__ import annotations
 
 import argparse
 
+from megagate.monitor.aggregate import DEFAULT_RULE, DEFAULT_TOLERANCE, SpikeRule
 from megagate.monitor.report import report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", help="run directories, or folders of run directories (a sweep's --out)")
-    parser.add_argument("--out", default=None, help="write loss_curves.png, final_loss_vs_lr.png, report.txt here")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="write report.txt, aggregate.json, loss_curves.png, final_loss_vs_lr.png, lr_sensitivity.png and "
+        "diagnostics_over_training.png here",
+    )
+    parser.add_argument(
+        "--diag-lr",
+        type=float,
+        default=None,
+        help="the LR shown in diagnostics_over_training.png (default: per sweep and setting, the largest LR "
+        "at which no run diverged)",
+    )
+    parser.add_argument(
+        "--spike-delta",
+        type=float,
+        default=DEFAULT_RULE.delta,
+        help=f"curve spike: minimum rise over the median of the previous logged losses, nats (default {DEFAULT_RULE.delta})",
+    )
+    parser.add_argument(
+        "--spike-k",
+        type=float,
+        default=DEFAULT_RULE.k,
+        help=f"curve spike: rise in robust standard deviations of those losses (default {DEFAULT_RULE.k:g})",
+    )
+    parser.add_argument(
+        "--spike-tolerance",
+        type=int,
+        default=DEFAULT_TOLERANCE,
+        help="steps between a monitor event and a curve spike that still count as a detection "
+        f"(default {DEFAULT_TOLERANCE}; at least the run's logging.interval)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    print(report(args.runs, args.out))
+    rule = SpikeRule(DEFAULT_RULE.window, DEFAULT_RULE.min_history, args.spike_k, args.spike_delta)
+    print(report(args.runs, args.out, diag_lr=args.diag_lr, rule=rule, tolerance=args.spike_tolerance))
     if args.out:
-        print(f"plots written to {args.out}")
+        print(f"report.txt, aggregate.json and plots written to {args.out}")
     return 0

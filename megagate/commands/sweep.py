@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from megagate.errors import ConfigError
+from megagate.errors import ConfigError, MegagateError
 from megagate.yamlfile import load_mapping
 
 TRAIN_COMMAND = (sys.executable, "-m", "megagate", "train")
@@ -88,6 +88,41 @@ def check_grid(specs: Sequence[RunSpec], config_path: str, world_size: int = 1) 
             config_mod.layout(cfg, world_size)
         except ConfigError as exc:
             raise ConfigError(f"sweep point {spec.name}: {exc}") from None
+
+
+SWEEP_FILE = "sweep.json"  # megagate.monitor.aggregate.SWEEP_FILE: how `report` tells which sweep a run is in
+
+
+def write_sweep_file(
+    out_dir: str | Path,
+    config_path: str,
+    base_overrides: Sequence[str],
+    lrs: Sequence[float],
+    variants: Sequence[str],
+    seeds: Sequence[int],
+    specs: Sequence[RunSpec],
+) -> Path:
+    """OUT/sweep.json (atomically): the config, the base overrides, the grid and its run names. `megagate report`
+    groups the runs under this folder as one sweep; a later sweep into the same folder (more variants or LRs) writes
+    its own grid and keeps the earlier ones under "earlier", oldest first."""
+    from megagate.monitor import runfiles
+
+    path = Path(out_dir) / SWEEP_FILE
+    record: dict = {
+        "config": str(config_path),
+        "overrides": list(base_overrides),
+        "grid": {"lrs": [float(x) for x in lrs], "variants": list(variants), "seeds": [int(x) for x in seeds]},
+        "runs": [spec.name for spec in specs],
+    }
+    try:
+        previous = runfiles.read_json(path)
+    except MegagateError:  # an unreadable file is replaced, not fatal: it only labels the folder
+        previous = None
+    if previous:
+        earlier = previous.pop("earlier", [])
+        record["earlier"] = [*(earlier if isinstance(earlier, list) else []), previous]
+    runfiles.write_json(path, record)
+    return path
 
 
 def run_local(
@@ -188,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         for spec in specs:
             print(shlex.join([*TRAIN_COMMAND[1:], *spec.argv(args.config)]))  # copy-pasteable, quoted
         return 0
+    write_sweep_file(args.out, args.config, args.overrides, args.lrs, variants, args.seeds, specs)
     if request is not None:
         from megagate.slurm import submit, write_script
 
@@ -208,4 +244,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["RunSpec", "check_grid", "expand_grid", "run_local", "slurm_array"]
+__all__ = ["RunSpec", "check_grid", "expand_grid", "run_local", "slurm_array", "write_sweep_file"]

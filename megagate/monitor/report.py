@@ -1,9 +1,12 @@
-"""`megagate report RUNS...`: aggregate run directories into a table and PNG plots.
+"""`megagate report RUNS...`: aggregate run directories into tables, aggregate.json and PNG plots.
 
-Table columns: run, variant, lr, seed, steps, final loss, validation ppl, spikes, diverged, F-Attn, M-Act, gate score
-(the diagnostics of the last probe: F-Attn and gate score averaged over layers, M-Act the maximum over layers).
-Plots: `loss_curves.png` (training loss per run, spike events marked) and `final_loss_vs_lr.png` (one line per
-variant, mean over seeds; diverged runs drawn as crosses at the top).
+Per-run table: run, variant, lr, seed, steps, final loss, validation ppl, spikes (monitor events), diverged, F-Attn,
+M-Act, gate score (the diagnostics of the last probe: F-Attn and gate score averaged over layers, M-Act the maximum
+over layers), curve spikes (megagate.monitor.aggregate's offline judgement) with the monitor's tp/fp/miss against
+them, and what identifies the run: its sweep (the folder with sweep.json above it, else its parent folder) and its
+setting (the non-grid config keys that differ between the reported runs).
+Per-group table (and aggregate.json): the runs of one (sweep, setting, variant, lr) aggregated over seeds.
+Plots: megagate.monitor.report_plots.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megagate.errors import MegagateError
-from megagate.monitor import plotting, runfiles
+from megagate.monitor import aggregate, report_plots, runfiles
 
 
 @dataclass
@@ -36,10 +39,33 @@ class RunResult:
     gate_score: float | None = None
     curve: list[tuple[int, float]] = field(default_factory=list)  # (step, train loss)
     spike_steps: list[int] = field(default_factory=list)
+    valid_loss: float | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    seq_length: int | None = None
+    logging_interval: int = 1
+    # per probe step: {"step", "f_attn" (mean over layers), "m_act" (max), "gate_score" (mean, None without a gate)}
+    diagnostics: list[dict[str, Any]] = field(default_factory=list)
+    sweep_dir: str | None = None  # the folder with sweep.json above the run (None: no sweep.json found)
+    sweep: str = ""  # the sweep's label (set by `identify`)
+    setting: str = "-"  # what distinguishes the run's config from the others reported (set by `identify`)
+    curve_spikes: list[aggregate.CurveSpike] = field(default_factory=list)
+    spike_match: aggregate.SpikeMatch = aggregate.SpikeMatch(0, 0, 0, (), ())
+
+    @property
+    def label(self) -> str:
+        return f"{self.sweep}/{self.name}" if self.sweep else self.name
 
 
-def load_run(run_dir: str | Path) -> RunResult:
-    """Read one run directory (runfiles schema); missing optional files leave their columns empty."""
+def load_run(
+    run_dir: str | Path,
+    rule: aggregate.SpikeRule = aggregate.DEFAULT_RULE,
+    tolerance: int = aggregate.DEFAULT_TOLERANCE,
+) -> RunResult:
+    """Read one run directory (runfiles schema); missing optional files leave their columns empty.
+
+    The curve spikes are judged by `rule` and matched with the monitor's events within max(`tolerance`, the run's
+    logging.interval) steps. `sweep` and `setting` need all runs of a report: `identify` sets them.
+    """
     run_dir = Path(run_dir)
     config = runfiles.read_config(run_dir)
     metrics = runfiles.read_jsonl(run_dir / runfiles.METRICS)
@@ -69,7 +95,11 @@ def load_run(run_dir: str | Path) -> RunResult:
         diverged = runfiles.is_diverged(
             losses[0] if losses else None, final_loss, any_nonfinite=any(not math.isfinite(x) for x in losses)
         )
-    valid_ppl = None
+    valid_ppl = valid_loss = None
+    if summary.get("final_valid_loss") is not None:
+        valid_loss = _number(summary["final_valid_loss"], float, summary_path, "final_valid_loss")
+    elif valid and valid[-1].get("loss") is not None:
+        valid_loss = _number(valid[-1]["loss"], float, metrics_path, "valid loss")
     if valid:
         last = valid[-1]
         key = "ppl" if "ppl" in last else "loss"
@@ -89,21 +119,46 @@ def load_run(run_dir: str | Path) -> RunResult:
         diverged=diverged,
         curve=curve,
         spike_steps=sorted(spike_steps),
+        valid_loss=valid_loss,
+        config=config,
+        seq_length=_int(runfiles.lookup(config, "train.seq_length")),
+        logging_interval=_int(runfiles.lookup(config, "logging.interval")) or 1,
     )
-    diags_path = run_dir / runfiles.DIAGNOSTICS
-    diags = runfiles.read_jsonl(diags_path)
-    if diags:
-        steps = [_number(d.get("step"), int, diags_path, "step") for d in diags]
-        layers = [d for d, step in zip(diags, steps) if step == max(steps)]
-        result.f_attn = statistics.fmean(_number(d.get("f_attn"), float, diags_path, "f_attn") for d in layers)
-        result.m_act = max(_number(d.get("m_act"), float, diags_path, "m_act") for d in layers)
+    sweep_dir = aggregate.find_sweep_dir(run_dir)
+    result.sweep_dir = None if sweep_dir is None else str(sweep_dir)
+    result.diagnostics = _probe_steps(run_dir / runfiles.DIAGNOSTICS)
+    if result.diagnostics:
+        last = result.diagnostics[-1]
+        result.f_attn, result.m_act, result.gate_score = last["f_attn"], last["m_act"], last["gate_score"]
+    result.curve_spikes = aggregate.curve_spikes(curve, rule)
+    result.spike_match = aggregate.match_events(
+        result.curve_spikes, result.spike_steps, max(tolerance, result.logging_interval)
+    )
+    return result
+
+
+def _probe_steps(path: Path) -> list[dict[str, Any]]:
+    """diagnostics.jsonl reduced over layers per probe step, in step order: F-Attn and gate score the mean over
+    layers, M-Act the maximum."""
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for d in runfiles.read_jsonl(path):
+        by_step.setdefault(_number(d.get("step"), int, path, "step"), []).append(d)
+    probes = []
+    for step, layers in sorted(by_step.items()):
         gates = [
-            _number(d["gate_score_mean"], float, diags_path, "gate_score_mean")
+            _number(d["gate_score_mean"], float, path, "gate_score_mean")
             for d in layers
             if d.get("gate_score_mean") is not None
         ]
-        result.gate_score = statistics.fmean(gates) if gates else None
-    return result
+        probes.append(
+            {
+                "step": step,
+                "f_attn": statistics.fmean(_number(d.get("f_attn"), float, path, "f_attn") for d in layers),
+                "m_act": max(_number(d.get("m_act"), float, path, "m_act") for d in layers),
+                "gate_score": statistics.fmean(gates) if gates else None,
+            }
+        )
+    return probes
 
 
 def _number(value: Any, kind: type, path: Path, key: str) -> Any:
@@ -165,6 +220,10 @@ COLUMNS = (
     "F-Attn",
     "M-Act",
     "gate_score",
+    "curve_spikes",
+    "tp/fp/miss",
+    "sweep",
+    "setting",
 )
 
 
@@ -196,75 +255,111 @@ def table(results: Sequence[RunResult]) -> str:
                 _fmt(r.f_attn, ".3f"),
                 _fmt(r.m_act, ".3g"),
                 _fmt(r.gate_score, ".3f"),
+                str(len(r.curve_spikes)),
+                f"{r.spike_match.tp}/{r.spike_match.fp}/{r.spike_match.misses}",
+                r.sweep or "-",
+                r.setting,
             ]
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    return _layout(rows)
+
+
+def _layout(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
-# --- plots -------------------------------------------------------------------------------------------------------
-def plot_loss_curves(results: Sequence[RunResult], path: str | Path) -> Path:
-    plt = plotting.pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in results:
-        if not r.curve:
-            continue
-        steps, losses = zip(*r.curve)
-        finite = [(s, loss) for s, loss in r.curve if math.isfinite(loss)]
-        (line,) = ax.plot(steps, [x if math.isfinite(x) else float("nan") for x in losses], lw=1, label=r.name)
-        by_step = dict(finite)
-        marks = [(s, by_step[s]) for s in r.spike_steps if s in by_step]
-        if marks:
-            ax.scatter(*zip(*marks), marker="x", s=40, color=line.get_color(), zorder=3)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title("loss curves (x = spike event)")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
-    return plotting.save(fig, path)
+GROUP_COLUMNS = (
+    "sweep",
+    "variant",
+    "lr",
+    "n",
+    "seeds",
+    "final_loss",
+    "valid_loss",
+    "diverged",
+    "event_runs",
+    "curve_spikes",
+    "tp/fp/miss",
+    "F-Attn",
+    "M-Act",
+    "gate_score",
+    "setting",
+)
 
 
-def plot_final_loss_vs_lr(results: Sequence[RunResult], path: str | Path) -> Path:
-    plt = plotting.pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    variants = sorted({r.variant for r in results})
-    finite = [r.final_loss for r in results if not r.diverged and math.isfinite(r.final_loss)]
-    top = max(finite) * 1.05 if finite else 1.0
-    for variant in variants:
-        runs = [r for r in results if r.variant == variant and r.lr is not None]
-        lrs = sorted({r.lr for r in runs})
-        ok = [
-            (lr, statistics.fmean(r.final_loss for r in runs if r.lr == lr and not r.diverged))
-            for lr in lrs
-            if any(r.lr == lr and not r.diverged for r in runs)
-        ]
-        (line,) = ax.plot(*zip(*ok), marker="o", label=variant) if ok else ax.plot([], [], label=variant)
-        bad = sorted({r.lr for r in runs if r.diverged})
-        if bad:
-            ax.scatter(bad, [top] * len(bad), marker="x", s=60, color=line.get_color(), zorder=3)
-    ax.set_xscale("log")
-    ax.set_xlabel("learning rate")
-    ax.set_ylabel("final training loss (mean over seeds)")
-    ax.set_title("final loss vs LR (x at the top = diverged)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, which="both")
-    return plotting.save(fig, path)
+def _pm(mean: float | None, std: float | None) -> str:
+    if mean is None:
+        return "-"
+    return f"{mean:.4g}" + ("" if std is None else f"±{std:.2g}")
 
 
-def report(run_dirs: Sequence[str | Path], out_dir: str | Path | None = None) -> str:
-    """Load the runs, return the table; with `out_dir`, also write the plots (and the table as report.txt)."""
+def group_table(groups: Sequence[aggregate.Group]) -> str:
+    """A fixed-width text table, one row per (sweep, setting, variant, lr): losses mean±std over the runs that did
+    not diverge, diverged k/n, runs with monitor events, curve spikes and the monitor's tp/fp/miss against them."""
+    rows = [list(GROUP_COLUMNS)]
+    for g in groups:
+        rows.append(
+            [
+                g.sweep,
+                g.variant,
+                _fmt(g.lr),
+                str(g.n),
+                ",".join(_fmt(s) for s in g.seeds),
+                _pm(g.final_loss_mean, g.final_loss_std),
+                _pm(g.valid_loss_mean, g.valid_loss_std),
+                f"{g.diverged}/{g.n}",
+                f"{g.runs_with_events}/{g.n}",
+                str(g.curve_spikes),
+                f"{g.tp}/{g.fp}/{g.misses}",
+                _fmt(g.f_attn, ".3f"),
+                _fmt(g.m_act, ".3g"),
+                _fmt(g.gate_score, ".3f"),
+                g.setting,
+            ]
+        )
+    return _layout(rows)
+
+
+def report(
+    run_dirs: Sequence[str | Path],
+    out_dir: str | Path | None = None,
+    diag_lr: float | None = None,
+    rule: aggregate.SpikeRule = aggregate.DEFAULT_RULE,
+    tolerance: int = aggregate.DEFAULT_TOLERANCE,
+) -> str:
+    """Load the runs, return the per-run and the per-group tables; with `out_dir`, also write the plots,
+    report.txt and aggregate.json. `diag_lr`: the LR of diagnostics_over_training.png (default: per sweep and
+    setting, the largest LR at which no run diverged)."""
+    if tolerance < 0:
+        raise MegagateError(f"--spike-tolerance {tolerance} must be >= 0 steps")
     if out_dir is not None:  # refuse an unusable --out before reading anything
         from megagate.data.indexed import check_writable_dir
 
         check_writable_dir(out_dir, "--out")
-    results = [load_run(p) for p in find_runs(run_dirs)]
-    results.sort(key=lambda r: (r.variant, r.lr if r.lr is not None else math.inf, r.seed or 0, r.name))
-    text = table(results)
+    results = [load_run(p, rule, tolerance) for p in find_runs(run_dirs)]
+    aggregate.identify(results)
+    results.sort(
+        key=lambda r: (r.sweep, r.setting, r.variant, r.lr if r.lr is not None else math.inf, r.seed or 0, r.name)
+    )
+    if diag_lr is not None and not any(r.lr == diag_lr for r in results):
+        lrs = ", ".join(_fmt(lr) for lr in sorted({r.lr for r in results if r.lr is not None}))
+        raise MegagateError(f"--diag-lr {diag_lr:g} is not an LR of the runs; their LRs: {lrs}")
+    groups = aggregate.group_runs(results)
+    text = table(results) + "\n\nover seeds, per (sweep, setting, variant, lr):\n" + group_table(groups)
     if out_dir is not None:
         out = Path(out_dir)
-        plot_loss_curves(results, out / "loss_curves.png")
-        plot_final_loss_vs_lr(results, out / "final_loss_vs_lr.png")
+        report_plots.plot_loss_curves(results, out / "loss_curves.png")
+        report_plots.plot_final_loss_vs_lr(results, out / "final_loss_vs_lr.png")
+        report_plots.plot_lr_sensitivity(results, out / "lr_sensitivity.png")
+        if diag_lr is not None:
+            lrs_by_panel = {(r.sweep, r.setting): diag_lr for r in results}
+        else:
+            lrs_by_panel = report_plots.default_diag_lrs(results)
+        if any(r.diagnostics for r in results):
+            report_plots.plot_diagnostics_over_training(results, out / "diagnostics_over_training.png", lrs_by_panel)
+        runfiles.write_json(out / "aggregate.json", aggregate.record(results, groups, rule, tolerance))
         runfiles.write_atomic(out / "report.txt", text + "\n")
     return text

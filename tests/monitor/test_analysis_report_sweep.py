@@ -101,11 +101,22 @@ def test_report_aggregates_real_runs(report_runs, tmp_path):
             bad, step, "train", loss=6.0 if step < 5 else math.nan, lr=1.0, grad_norm=1.0, tokens_per_s=1.0
         )
     text = report.report([sweep_dir], tmp_path / "out")
-    rows = {line.split()[0]: line.split() for line in text.splitlines()[2:]}
+    per_run = text.split("\n\n")[0]  # then the table over seeds
+    rows = {line.split()[0]: line.split() for line in per_run.splitlines()[2:]}
     assert set(rows) == {"g1_lr0.003", "base_lr0.003", "base_lr1"}
     g1 = report.load_run(sweep_dir / "g1_lr0.003")
     assert g1.num_spikes == 1 and g1.spike_steps == [45] and g1.variant == "g1-elementwise" and g1.lr == 0.003
     assert g1.gate_score is not None and 0 < g1.gate_score < 1 and not g1.diverged
+    # the scale_loss fault multiplies the loss the monitor and backward see, not the logged loss: the logged curve has
+    # no spike (the offline judgement finds none), so against the curve the monitor's event at 45 is a false positive
+    assert g1.curve_spikes == [] and (g1.spike_match.tp, g1.spike_match.fp, g1.spike_match.false_events) == (
+        0,
+        1,
+        (45,),
+    )
+    base = report.load_run(sweep_dir / "base_lr0.003")
+    assert base.curve_spikes == [] and base.spike_match.fp == base.num_spikes == 0  # the clean run: nothing either way
+    assert rows["g1_lr0.003"][12:15] == ["0", "0/1/0", "sweep"]  # curve_spikes, tp/fp/miss, the sweep (parent) folder
     diag = runfiles.read_jsonl(sweep_dir / "g1_lr0.003" / runfiles.DIAGNOSTICS)
     assert g1.f_attn == pytest.approx(sum(d["f_attn"] for d in diag) / 2)
     assert g1.m_act == max(d["m_act"] for d in diag)
@@ -113,7 +124,7 @@ def test_report_aggregates_real_runs(report_runs, tmp_path):
     assert rows["g1_lr0.003"][5] == f"{summary['final_loss']:.4g}" and rows["g1_lr0.003"][7] == "1"
     assert rows["base_lr0.003"][11] == "-"  # no gate score for the baseline
     assert rows["base_lr1"][8] == "yes" and report.load_run(bad).diverged
-    for name in ("loss_curves", "final_loss_vs_lr"):
+    for name in ("loss_curves", "final_loss_vs_lr", "lr_sensitivity", "diagnostics_over_training"):
         assert_png(tmp_path / "out" / f"{name}.png")
     assert (tmp_path / "out" / "report.txt").read_text().strip() == text
     with pytest.raises(MegagateError, match="neither a run directory"):
