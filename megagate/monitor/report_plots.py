@@ -76,12 +76,23 @@ def _panels(results: Sequence[Any]) -> list[tuple[str, str]]:
     return sorted({(r.sweep, r.setting) for r in results})
 
 
+def _sensitivity_metric(results: Sequence[Any]) -> tuple[str, str]:
+    """(RunResult attribute, axis label): the validation loss when every run that did not diverge has one (a
+    held-out average, far less noisy than the last training batch), else the final training loss."""
+    ok = [r for r in results if not r.diverged]
+    if ok and all(r.valid_loss is not None and math.isfinite(r.valid_loss) for r in ok):
+        return "valid_loss", "final validation loss"
+    return "final_loss", "final training loss"
+
+
 def plot_lr_sensitivity(results: Sequence[Any], path: str | Path) -> Path:
     """Final loss vs LR per (sweep, setting) panel: mean over non-diverged seeds, min-max band, diverged crosses."""
     plt = plotting.pyplot()
     panels = _panels(results)
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), sharey=True, squeeze=False)
-    top = _top(results)
+    key, label = _sensitivity_metric(results)
+    finite = [getattr(r, key) for r in results if not r.diverged and math.isfinite(getattr(r, key))]
+    top = max(finite) * 1.05 if finite else 1.0
     variants = sorted({r.variant for r in results})
     colors = {v: f"C{i % 10}" for i, v in enumerate(variants)}
     for ax, (sweep, setting) in zip(axes[0], panels):
@@ -91,7 +102,9 @@ def plot_lr_sensitivity(results: Sequence[Any], path: str | Path) -> Path:
                 continue
             points = []
             for lr in sorted({r.lr for r in runs}):
-                losses = [r.final_loss for r in runs if r.lr == lr and not r.diverged and math.isfinite(r.final_loss)]
+                losses = [
+                    getattr(r, key) for r in runs if r.lr == lr and not r.diverged and math.isfinite(getattr(r, key))
+                ]
                 if losses:
                     points.append((lr, statistics.fmean(losses), min(losses), max(losses)))
                 at = [r for r in runs if r.lr == lr]
@@ -108,7 +121,7 @@ def plot_lr_sensitivity(results: Sequence[Any], path: str | Path) -> Path:
         ax.set_title(f"{sweep}\n{setting}" if setting != "-" else sweep, fontsize=8)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("final training loss (mean, min-max over seeds)")
+    axes[0][0].set_ylabel(f"{label} (mean, min-max over seeds)")
     fig.suptitle("LR sensitivity (x at the top = diverged runs, k/n)", fontsize=9)
     return plotting.save(fig, path)
 
