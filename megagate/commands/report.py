@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from megagate.monitor.aggregate import DEFAULT_RULE, DEFAULT_TOLERANCE, SpikeRule
+from megagate.monitor.replay import parse_settings
 from megagate.monitor.report import report
 
 
@@ -44,10 +45,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default {DEFAULT_TOLERANCE}; at least the run's logging.interval)",
     )
 
+    parser.add_argument(
+        "--replay-monitor",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="judge the runs with the spike monitor replayed over their logged curves with these monitor.spike "
+        "settings (e.g. min_history=5,threshold=6; needs logging.interval 1) instead of the events they logged",
+    )
+
 
 def run(args: argparse.Namespace) -> int:
     rule = SpikeRule(DEFAULT_RULE.window, DEFAULT_RULE.min_history, args.spike_k, args.spike_delta)
-    print(report(args.runs, args.out, diag_lr=args.diag_lr, rule=rule, tolerance=args.spike_tolerance))
+    replay = None if args.replay_monitor is None else parse_settings(args.replay_monitor)
+    print(report(args.runs, args.out, diag_lr=args.diag_lr, rule=rule, tolerance=args.spike_tolerance, replay=replay))
     if args.out:
         print(f"report.txt, aggregate.json and plots written to {args.out}")
     return 0

@@ -20,6 +20,8 @@ from typing import Any
 
 from megagate.errors import MegagateError
 from megagate.monitor import aggregate, report_plots, runfiles
+from megagate.monitor.replay import replay_events
+from megagate.monitor.spike import SpikeMonitorConfig
 
 
 @dataclass
@@ -60,11 +62,13 @@ def load_run(
     run_dir: str | Path,
     rule: aggregate.SpikeRule = aggregate.DEFAULT_RULE,
     tolerance: int = aggregate.DEFAULT_TOLERANCE,
+    replay: SpikeMonitorConfig | None = None,
 ) -> RunResult:
     """Read one run directory (runfiles schema); missing optional files leave their columns empty.
 
     The curve spikes are judged by `rule` and matched with the monitor's events within max(`tolerance`, the run's
-    logging.interval) steps. `sweep` and `setting` need all runs of a report: `identify` sets them.
+    logging.interval) steps. `sweep` and `setting` need all runs of a report: `identify` sets them. With `replay`,
+    the monitor's events are those of a monitor with these settings replayed over the logged curve (not events.jsonl).
     """
     run_dir = Path(run_dir)
     config = runfiles.read_config(run_dir)
@@ -105,7 +109,10 @@ def load_run(
         key = "ppl" if "ppl" in last else "loss"
         value = _number(last.get(key), float, metrics_path, f"valid {key}")
         valid_ppl = value if key == "ppl" else math.exp(min(value, 709.0))  # exp overflows past 709
-    spike_steps = {_number(e.get("step"), int, run_dir / runfiles.EVENTS, "step") for e in events}
+    if replay is None:
+        spike_steps = {_number(e.get("step"), int, run_dir / runfiles.EVENTS, "step") for e in events}
+    else:
+        spike_steps = set(replay_events(train, replay, str(metrics_path)))
     result = RunResult(
         name=run_dir.name,
         run_dir=str(run_dir),
@@ -329,17 +336,19 @@ def report(
     diag_lr: float | None = None,
     rule: aggregate.SpikeRule = aggregate.DEFAULT_RULE,
     tolerance: int = aggregate.DEFAULT_TOLERANCE,
+    replay: SpikeMonitorConfig | None = None,
 ) -> str:
     """Load the runs, return the per-run and the per-group tables; with `out_dir`, also write the plots,
     report.txt and aggregate.json. `diag_lr`: the LR of diagnostics_over_training.png (default: per sweep and
-    setting, the largest LR at which no run diverged)."""
+    setting, the largest LR at which no run diverged). `replay`: judge the runs with these monitor settings replayed
+    over their logged curves instead of the events they logged (`megagate.monitor.replay`)."""
     if tolerance < 0:
         raise MegagateError(f"--spike-tolerance {tolerance} must be >= 0 steps")
     if out_dir is not None:  # refuse an unusable --out before reading anything
         from megagate.data.indexed import check_writable_dir
 
         check_writable_dir(out_dir, "--out")
-    results = [load_run(p, rule, tolerance) for p in find_runs(run_dirs)]
+    results = [load_run(p, rule, tolerance, replay) for p in find_runs(run_dirs)]
     aggregate.identify(results)
     results.sort(
         key=lambda r: (r.sweep, r.setting, r.variant, r.lr if r.lr is not None else math.inf, r.seed or 0, r.name)
@@ -349,6 +358,8 @@ def report(
         raise MegagateError(f"--diag-lr {diag_lr:g} is not an LR of the runs; their LRs: {lrs}")
     groups = aggregate.group_runs(results)
     text = table(results) + "\n\nover seeds, per (sweep, setting, variant, lr):\n" + group_table(groups)
+    if replay is not None:
+        text += f"\n(monitor events replayed over the logged curves with monitor.spike = {replay.to_dict()})"
     if out_dir is not None:
         out = Path(out_dir)
         report_plots.plot_loss_curves(results, out / "loss_curves.png")
@@ -360,6 +371,10 @@ def report(
             lrs_by_panel = report_plots.default_diag_lrs(results)
         if any(r.diagnostics for r in results):
             report_plots.plot_diagnostics_over_training(results, out / "diagnostics_over_training.png", lrs_by_panel)
-        runfiles.write_json(out / "aggregate.json", aggregate.record(results, groups, rule, tolerance))
+        record = aggregate.record(results, groups, rule, tolerance)
+        record["definitions"]["monitor_events"] = (
+            "events.jsonl (as logged)" if replay is None else {"replayed_with": replay.to_dict()}
+        )
+        runfiles.write_json(out / "aggregate.json", record)
         runfiles.write_atomic(out / "report.txt", text + "\n")
     return text

@@ -407,3 +407,23 @@ def test_event_log_jsonl_and_tensorboard(tmp_path):
     assert (value.step, value.value) == (40, 30.0)
     (score,) = acc.Scalars("spike/loss/score")
     assert score.value == pytest.approx(records[0]["score"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_replayed_monitor_equals_the_trainers_events(runs):
+    """`megagate report --replay-monitor` replays the monitor over the logged curve: at the trainer's own settings it
+    must give exactly the steps the trainer flagged (clean runs, and a run whose skipped step was NaN)."""
+    from megagate.monitor.replay import parse_settings, replay_events
+
+    flagged = 0
+    for name in ("g1-elementwise@3e-3", "baseline@1e-2", "skip"):
+        run = runs[name]
+        rows = [r for r in run.train_records() if "loss" in r]
+        logged = sorted({e["step"] for e in run.events()})
+        settings = "" if name != "skip" else "min_history=20"
+        assert replay_events(rows, parse_settings(settings), str(run.dir)) == logged, name
+        flagged += len(logged)
+    assert flagged >= 1  # the skip run's NaN gradient at least
+    # a monitor that never arms its z-scores keeps only the non-finite events
+    skip_rows = [r for r in runs["skip"].train_records() if "loss" in r]
+    assert replay_events(skip_rows, parse_settings("min_history=100"), "skip") == [K_SKIP]
