@@ -297,6 +297,26 @@ def uniform_f_attn(length: int) -> float:
     return (sum(1.0 / i for i in range(1, length + 1)) - 1.0) / (length - 1)
 
 
+def sink_summary(probes: Sequence[Mapping[str, Any]], length: int | None) -> dict[str, Any] | None:
+    """Where the attention sink appears over training, from the live diagnostics: the uniform reference for the
+    probe length, the first probe step whose F-Attn (mean over layers) exceeds it and the one whose largest
+    single-layer F-Attn does (None: never), and the whole trajectory (step, F-Attn, max layer, M-Act, gate score,
+    gate sparsity)."""
+    if not probes or not length or length < 2:
+        return None
+    uniform = uniform_f_attn(length)
+
+    def first(key: str) -> int | None:
+        return next((int(p["step"]) for p in probes if p.get(key) is not None and p[key] > uniform), None)
+
+    return {
+        "uniform_f_attn": uniform,
+        "first_step_mean_above_uniform": first("f_attn"),
+        "first_step_any_layer_above_uniform": first("f_attn_max_layer"),
+        "probes": [dict(p) for p in probes],
+    }
+
+
 def record(results: Sequence[Any], groups: Sequence[Group], rule: SpikeRule, tolerance: int) -> dict[str, Any]:
     """json: the definitions used, the sweeps (with their sweep.json), the groups and the runs."""
     sweeps: dict[str, Any] = {}
@@ -337,6 +357,7 @@ def record(results: Sequence[Any], groups: Sequence[Group], rule: SpikeRule, tol
                 "f_attn": r.f_attn,
                 "m_act": r.m_act,
                 "gate_score": r.gate_score,
+                "sink": sink_summary(r.diagnostics, r.seq_length),
             }
             for r in results
         ],

@@ -157,12 +157,16 @@ def _probe_steps(path: Path) -> list[dict[str, Any]]:
             for d in layers
             if d.get("gate_score_mean") is not None
         ]
+        f_attn = [_number(d.get("f_attn"), float, path, "f_attn") for d in layers]
+        sparsity = [float(d["gate_sparsity"]) for d in layers if d.get("gate_sparsity") is not None]
         probes.append(
             {
                 "step": step,
-                "f_attn": statistics.fmean(_number(d.get("f_attn"), float, path, "f_attn") for d in layers),
+                "f_attn": statistics.fmean(f_attn),
+                "f_attn_max_layer": max(f_attn),  # the paper's single-layer sink (one baseline layer: 83 %)
                 "m_act": max(_number(d.get("m_act"), float, path, "m_act") for d in layers),
                 "gate_score": statistics.fmean(gates) if gates else None,
+                "gate_sparsity": statistics.fmean(sparsity) if sparsity else None,
             }
         )
     return probes

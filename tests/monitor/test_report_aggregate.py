@@ -318,3 +318,19 @@ def test_match_events_true_false_positives_and_misses():
     assert match_events([], [5, 6, 7, 30], tolerance=3).fp == 2
     assert match_events(spikes, [], tolerance=3).misses == 3
     assert match_events(spikes[:1], [33], tolerance=0).tp == 0 and match_events(spikes[:1], [32], tolerance=0).tp == 1
+
+
+def test_sink_summary_finds_when_first_token_attention_passes_uniform():
+    uniform = aggregate.uniform_f_attn(128)  # (H_128 - 1) / 127
+    assert uniform == pytest.approx(0.034907, abs=1e-6)
+    probes = [
+        {"step": 20, "f_attn": 0.02, "f_attn_max_layer": 0.03},
+        {"step": 40, "f_attn": 0.03, "f_attn_max_layer": 0.09},  # one layer sinks first
+        {"step": 60, "f_attn": 0.05, "f_attn_max_layer": 0.20},
+    ]
+    sink = aggregate.sink_summary(probes, 128)
+    assert (sink["first_step_mean_above_uniform"], sink["first_step_any_layer_above_uniform"]) == (60, 40)
+    assert sink["uniform_f_attn"] == uniform and [p["step"] for p in sink["probes"]] == [20, 40, 60]
+    # a short probe has a higher uniform reference: 0.05 is below uniform at 16 tokens ((H_16 - 1)/15 = 0.1589)
+    assert aggregate.sink_summary(probes, 16)["first_step_mean_above_uniform"] is None
+    assert aggregate.sink_summary([], 128) is None and aggregate.sink_summary(probes, None) is None
