@@ -55,13 +55,7 @@ def resolve_checkpoint(given: str) -> Path:
     """An iter_NNNNNNN folder from a checkpoint, a checkpoint root or a run folder (its newest complete one)."""
     from megagate.train import checkpoint as ckpt
 
-    path = Path(given)
-    if not path.is_dir():
-        raise MegagateError(f"checkpoint {given!r} is not a directory")
-    if ckpt.latest(path) is not None:
-        path = ckpt.latest(path)
-    elif (path / "checkpoints").is_dir() and ckpt.latest(path / "checkpoints") is not None:
-        path = ckpt.latest(path / "checkpoints")
+    path = ckpt.resolve(given)
     if not (path / ckpt.META).exists():
         raise MegagateError(
             f"checkpoint {given!r} has no readable {ckpt.META}: it is not a checkpoint (iter_NNNNNNN), nor a "

@@ -73,20 +73,6 @@ def _publish(tmp: Path, out: Path) -> None:
 
 
 # --- checkpoints ---------------------------------------------------------------------------------------------------
-def resolve_checkpoint(source: str | os.PathLike) -> Path:
-    """An iter_NNNNNNN folder from a checkpoint, a checkpoint root or a run folder (the newest complete one)."""
-    from megagate.train import checkpoint as ckpt
-
-    path = Path(source)
-    if not path.is_dir():
-        raise MegagateError(f"checkpoint {str(path)!r} is not a directory")
-    for root in (path, path / "checkpoints"):
-        newest = ckpt.latest(root) if root.is_dir() else None
-        if newest is not None:
-            return newest
-    return path
-
-
 def _run_config(path: Path) -> Any:
     from megagate import config as config_mod
     from megagate.train import checkpoint as ckpt
@@ -136,6 +122,7 @@ def export_checkpoint(
     float32 keeps the trained values exactly; bfloat16 rounds every tensor.
     """
     from megagate.interop import hf
+    from megagate.train import checkpoint as ckpt
     from megagate.train.load import load_model_for_analysis, run_tokenizer
 
     if dtype not in DTYPES:
@@ -143,7 +130,7 @@ def export_checkpoint(
     shard_bytes = parse_size(max_shard_size)
     _known_format(fmt)
     out = check_out(out, force)
-    path = resolve_checkpoint(source)
+    path = ckpt.resolve(source)
     meta, cfg = _run_config(path) if (path / "megagate.json").is_file() else (None, None)
     if cfg is not None:  # refuse an unknown format or a variant no format holds before the model is loaded
         fmt = _check_format(cfg.model, fmt)

@@ -75,6 +75,19 @@ def latest(root: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
+def resolve(source: str | os.PathLike) -> Path:
+    """The checkpoint a user names: an iter_NNNNNNN folder as given, or the newest complete one of a checkpoint root
+    or of a run folder (its checkpoints/). Whether the result is a checkpoint is the caller's check."""
+    path = Path(source)
+    if not path.is_dir():
+        raise MegagateError(f"checkpoint {str(path)!r} is not a directory")
+    for root in (path, path / "checkpoints"):
+        newest = latest(root)  # None for a folder that is not there
+        if newest is not None:
+            return newest
+    return path
+
+
 def read_meta(path: str | os.PathLike) -> dict:
     """The megagate metadata of a checkpoint (step, consumed samples, scheduler, layout, config, ...)."""
     meta = Path(path) / META

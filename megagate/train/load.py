@@ -66,13 +66,7 @@ def load_model_for_analysis(
     from megagate.train import checkpoint as ckpt
     from megagate.train.components import precision_kwargs, resolve_backend
 
-    path = Path(checkpoint_dir)
-    if not path.is_dir():
-        raise MegagateError(f"checkpoint {str(path)!r} is not a directory")
-    if ckpt.latest(path) is not None:  # a run's checkpoint root (or run dir's checkpoints/): its newest one
-        path = ckpt.latest(path)
-    elif (path / "checkpoints").is_dir() and ckpt.latest(path / "checkpoints") is not None:
-        path = ckpt.latest(path / "checkpoints")
+    path = ckpt.resolve(checkpoint_dir)
     # before anything unpickles it: pickled code is refused (UnsafeFileError), damage is one line (no fallback here:
     # analysis reads the checkpoint it is given and moves nothing)
     if not (path / ckpt.META).exists() and not (path / ckpt.MANIFEST).exists():
