@@ -157,7 +157,10 @@ def build_datasets(
         blend_cfg, cls = (prefixes, weights), GPTDataset
     if cache_dir is not None:
         os.makedirs(cache_dir, exist_ok=True)
-        check_cache_files(cache_dir)
+        # megatron builds on rank 0 while the others wait at a barrier; another rank reading the cache now could
+        # catch a file rank 0 is still writing and call it damaged
+        if _global_rank() == 0:
+            check_cache_files(cache_dir)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
@@ -178,6 +181,12 @@ def build_datasets(
     with name_write_errors(str(cache_dir)) if cache_dir is not None else contextlib.nullcontext():
         train, valid, test = builder.build()
     return train, valid, test
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def check_cache_files(cache_dir: str | os.PathLike) -> None:
