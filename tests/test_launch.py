@@ -15,10 +15,15 @@ import pytest
 from megagate.distributed.launch import (
     DistEnv,
     LaunchError,
+    cuda_device_index,
     derive_master_port,
+    distributed_timeout_minutes,
     expand_nodelist,
+    gpus_per_task,
     parse_tasks_per_node,
     resolve_env,
+    set_allocator_defaults,
+    visible_devices,
 )
 from megagate.errors import MegagateError
 
@@ -244,19 +249,32 @@ def test_gloo_group_from_srun_variables(tmp_path: Path) -> None:
         port = s.getsockname()[1]
     prog = textwrap.dedent(
         """
-        import json, sys, torch, torch.distributed as dist
+        import json, os, sys, torch, torch.distributed as dist
         from megagate.distributed.launch import init_process_group
         env = init_process_group()
         t = torch.tensor([float(env.rank + 1)])
         dist.all_reduce(t)
+        timeout = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
         json.dump({"rank": env.rank, "node": env.node_rank, "local": env.local_rank, "sum": t.item(),
-                   "backend": dist.get_backend(), "source": env.source}, open(sys.argv[1], "w"))
+                   "backend": dist.get_backend(), "source": env.source, "timeout": timeout,
+                   "alloc": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}, open(sys.argv[1], "w"))
         dist.destroy_process_group()
         """
     )
     procs = []
     for rank in range(4):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+        drop = (
+            "SLURM_",
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_",
+            "MEGAGATE_DIST_TIMEOUT",
+            "PYTORCH_CUDA_ALLOC",
+            "PYTORCH_ALLOC",
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+        if rank == 3:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = "garbage_collection_threshold:0.6"  # the user's own setting stays
         env.update(
             _srun_env(
                 SLURM_PROCID=str(rank),
@@ -279,3 +297,81 @@ def test_gloo_group_from_srun_variables(tmp_path: Path) -> None:
     assert {d["sum"] for d in results} == {10.0}
     assert {d["backend"] for d in results} == {"gloo"}
     assert {d["source"] for d in results} == {"srun"}
+    assert {d["timeout"] for d in results} == {30 * 60.0}  # the save-safe default, not torch's 10 minutes
+    assert [d["alloc"] for d in results] == ["expandable_segments:True"] * 3 + ["garbage_collection_threshold:0.6"]
+
+
+# --- cluster defaults: the collectives' timeout, the allocator, the CUDA device under Slurm's GPU bindings ---------
+def test_timeout_minutes() -> None:
+    assert distributed_timeout_minutes({}) == 30.0
+    assert distributed_timeout_minutes({"MEGAGATE_DIST_TIMEOUT_MINUTES": " 90 "}) == 90.0
+    assert distributed_timeout_minutes({"MEGAGATE_DIST_TIMEOUT_MINUTES": "0.5"}) == 0.5
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "ten", "nan", "inf"])
+def test_timeout_minutes_refuses(value: str) -> None:
+    with pytest.raises(LaunchError) as err:
+        distributed_timeout_minutes({"MEGAGATE_DIST_TIMEOUT_MINUTES": value})
+    message = str(err.value)
+    assert "\n" not in message and f"MEGAGATE_DIST_TIMEOUT_MINUTES={value!r}" in message and "positive" in message
+
+
+def test_allocator_defaults() -> None:
+    env: dict[str, str] = {}
+    set_allocator_defaults(env)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # torch 2.9 reads either: the user's wins
+        env = {name: "expandable_segments:False"}
+        set_allocator_defaults(env)
+        assert env == {name: "expandable_segments:False"}
+
+
+@pytest.mark.parametrize(
+    "local_rank, tasks, visible, own, device",
+    [
+        (5, 8, ["5"], None, 0),  # --gpu-bind=single:1 / a per-task CUDA_VISIBLE_DEVICES
+        (5, 8, ["GPU-8f1e2a"], 1, 0),  # --gpus-per-task=1: a UUID, the task's own
+        (3, 4, ["6", "7"], 2, 0),  # --gpus-per-task=2: both its own, the first
+        (5, 8, [str(i) for i in range(8)], None, 5),  # no binding: every task sees the node
+        (1, 2, [str(i) for i in range(8)], None, 1),  # fewer tasks than GPUs
+        (6, 8, ["4", "5", "6", "7"], None, 2),  # --gpu-bind=closest: the socket's GPUs, shared by its tasks
+        (2, 8, ["0", "1", "2", "3"], None, 2),
+    ],
+)
+def test_cuda_device_index(local_rank: int, tasks: int, visible: list[str], own: int | None, device: int) -> None:
+    assert cuda_device_index(local_rank, tasks, visible, own) == device
+
+
+def test_cuda_device_index_shared_sets_are_distinct() -> None:
+    """Eight tasks, two sockets of four GPUs (block distribution): each task a different physical GPU."""
+    sets = {rank: [str(i) for i in range(4 * (rank // 4), 4 * (rank // 4) + 4)] for rank in range(8)}
+    physical = [sets[r][cuda_device_index(r, 8, sets[r])] for r in range(8)]
+    assert physical == [str(r) for r in range(8)]
+
+
+@pytest.mark.parametrize(
+    "local_rank, tasks, visible, fragment",
+    [
+        (0, 8, [], "local rank 0 has no GPU: no CUDA device is visible"),
+        (
+            1,
+            8,
+            ["4", "5", "6", "7"],
+            "local rank 1 of 8 sees 4 GPUs (CUDA_VISIBLE_DEVICES=4,5,6,7), none of them GPU 1",
+        ),
+        (2, 4, ["GPU-a", "GPU-b"], "--gpus-per-task=1"),
+    ],
+)
+def test_cuda_device_index_impossible(local_rank: int, tasks: int, visible: list[str], fragment: str) -> None:
+    with pytest.raises(LaunchError) as err:
+        cuda_device_index(local_rank, tasks, visible)
+    assert "\n" not in str(err.value) and fragment in str(err.value), str(err.value)
+
+
+def test_visible_devices_and_gpus_per_task() -> None:
+    assert visible_devices({}, 2) == ["0", "1"]
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "3, 1"}, 2) == ["3", "1"]
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "3,1,bad"}, 2) == ["3", "1"]  # CUDA stops at a bad entry
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": ""}, 0) == []
+    assert [gpus_per_task({"SLURM_GPUS_PER_TASK": v}) for v in ("1", "h100:2", "gpu:a100:4")] == [1, 2, 4]
+    assert gpus_per_task({}) is None

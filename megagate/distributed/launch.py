@@ -5,6 +5,10 @@ Two launchers are supported and nothing else is guessed:
 - `srun` (one task per GPU) sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID, SLURM_JOB_NODELIST;
   MASTER_ADDR is the first host of the node list and MASTER_PORT is derived from the job id unless they are set.
 torchrun wins when both are present (torchrun inside an allocation also sees SLURM_PROCID = the node index).
+
+Starting the process group also fixes three cluster defaults: the CUDA device of this rank under any Slurm GPU
+binding (`cuda_device_index`), the collectives' timeout (`distributed_timeout_minutes`, long enough for a checkpoint
+save) and the CUDA caching allocator's expandable segments (`set_allocator_defaults`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,16 @@ PORT_BASE = 20000
 PORT_SPAN = 40000
 PORT_SLOTS = 4
 DEFAULT_PORT = 29500
+
+# The timeout of every collective (torch's own default is 10 minutes for the world group). Ranks that finished their
+# share of a checkpoint save wait at a barrier for the slowest writer: 15A2B's ~210 GB (bf16 weights + fp32 Adam)
+# written at a degraded shared file system's 0.2 GB/s takes ~18 minutes. 30 minutes is also megatron-core's default
+# for the groups it creates, so every group of the job times out alike; a real hang still ends the job within 30.
+TIMEOUT_ENV = "MEGAGATE_DIST_TIMEOUT_MINUTES"
+DEFAULT_TIMEOUT_MINUTES = 30.0
+# Expandable segments let the caching allocator grow a segment instead of fragmenting memory across many (MoE and
+# variable-length batches allocate many differently sized blocks); the user's own setting always wins.
+ALLOC_ENV, ALLOC_DEFAULT = "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"
 
 
 class LaunchError(MegagateError):
@@ -266,20 +280,90 @@ def export_env(dist: DistEnv, environ: dict[str, str] | None = None) -> None:
     )
 
 
+def distributed_timeout_minutes(environ: Mapping[str, str] | None = None) -> float:
+    """The collectives' timeout in minutes: MEGAGATE_DIST_TIMEOUT_MINUTES, else 30 (see DEFAULT_TIMEOUT_MINUTES)."""
+    env = os.environ if environ is None else environ
+    text = env.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_MINUTES
+    try:
+        minutes = float(text)
+    except ValueError:
+        minutes = float("nan")
+    if not minutes > 0 or minutes == float("inf"):
+        raise LaunchError(f"{TIMEOUT_ENV}={text!r} must be a positive number of minutes (default 30)")
+    return minutes
+
+
+def set_allocator_defaults(environ: dict[str, str] | None = None) -> None:
+    """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the user set it (or torch's newer PYTORCH_ALLOC_CONF);
+    it takes effect only when set before CUDA initialises, so this runs before any CUDA call of the launch."""
+    env = os.environ if environ is None else environ
+    if ALLOC_ENV not in env and "PYTORCH_ALLOC_CONF" not in env:
+        env[ALLOC_ENV] = ALLOC_DEFAULT
+
+
+def visible_devices(environ: Mapping[str, str], count: int) -> list[str]:
+    """The ids of the `count` CUDA devices this process sees (CUDA_VISIBLE_DEVICES' entries, else 0..count-1)."""
+    spec = environ.get("CUDA_VISIBLE_DEVICES")
+    if spec is None:
+        return [str(i) for i in range(count)]
+    ids = [part.strip() for part in spec.split(",") if part.strip()]
+    return ids[:count]  # CUDA stops at the first invalid entry; device_count() is the truth
+
+
+def gpus_per_task(environ: Mapping[str, str]) -> int | None:
+    """SLURM_GPUS_PER_TASK as a count ("2", "a100:2", "gpu:a100:2"), when srun was given --gpus-per-task."""
+    match = re.search(r"(\d+)\s*$", environ.get("SLURM_GPUS_PER_TASK", ""))
+    return int(match.group(1)) if match else None
+
+
+def cuda_device_index(local_rank: int, local_world_size: int, visible: list[str], own_gpus: int | None = None) -> int:
+    """This rank's CUDA device index among the `visible` ones, under any GPU binding of its tasks.
+
+    `own_gpus`: GPUs bound to each task (srun --gpus-per-task, `gpus_per_task()`), None when not per task.
+    - one visible GPU (srun --gpus-per-task=1, --gpu-bind=single:1, a per-task CUDA_VISIBLE_DEVICES): device 0;
+    - exactly the task's own GPUs (--gpus-per-task=N, bound): device 0, which no other task sees;
+    - at least one GPU per task on the node (no binding, torchrun): the local rank;
+    - fewer GPUs than tasks, several each (e.g. --gpu-bind=closest: the GPUs of a task's socket, shared by the
+      socket's tasks): the GPU numbered by the local rank, which no other task of the node picks.
+    Anything else cannot give each task its own GPU: a one-line LaunchError.
+    """
+    shown = f"CUDA_VISIBLE_DEVICES={','.join(visible)}" if visible else "no CUDA device is visible"
+    if not visible:
+        raise LaunchError(f"local rank {local_rank} has no GPU: {shown}")
+    if len(visible) == 1 or (own_gpus is not None and len(visible) == own_gpus):
+        return 0
+    if len(visible) >= local_world_size:
+        return local_rank
+    if str(local_rank) in visible:
+        return visible.index(str(local_rank))
+    raise LaunchError(
+        f"local rank {local_rank} of {local_world_size} sees {len(visible)} GPUs ({shown}), none of them GPU "
+        f"{local_rank}: bind one GPU per task (srun --gpus-per-task=1 or --gpu-bind=single:1) or show every task all "
+        "of the node's GPUs"
+    )
+
+
 def init_process_group(
     backend: str | None = None,
     *,
     environ: Mapping[str, str] | None = None,
-    timeout_s: float = 600.0,
+    timeout_s: float | None = None,
 ) -> DistEnv:
     """Resolve the environment and start torch.distributed: nccl when CUDA is available, else gloo.
 
-    With nccl the CUDA device is set to the local rank first (one process per GPU).
+    With nccl this rank's CUDA device is set first (`cuda_device_index`, one process per GPU). `timeout_s` defaults
+    to `distributed_timeout_minutes()`.
     """
+    if environ is None:
+        set_allocator_defaults()  # before the first CUDA call below
     import torch
     import torch.distributed as dist
 
     env = resolve_env(environ)
+    if timeout_s is None:
+        timeout_s = 60.0 * distributed_timeout_minutes(environ)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("nccl", "gloo"):
@@ -287,10 +371,10 @@ def init_process_group(
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise LaunchError("backend 'nccl' needs CUDA, but torch.cuda.is_available() is False: use 'gloo'")
-        count = torch.cuda.device_count()
-        if env.local_rank >= count:
-            raise LaunchError(f"local rank {env.local_rank} has no GPU: this node shows {count} CUDA devices")
-        torch.cuda.set_device(env.local_rank)
+        source = os.environ if environ is None else environ
+        visible = visible_devices(source, torch.cuda.device_count())
+        own = gpus_per_task(source) if env.source == "srun" else None
+        torch.cuda.set_device(cuda_device_index(env.local_rank, env.local_world_size, visible, own))
     if environ is None:
         export_env(env)
     if not dist.is_initialized():

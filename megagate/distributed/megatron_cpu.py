@@ -300,7 +300,9 @@ def fix_torch_adam_checkpoint_load() -> None:
     torch's Adam keeps a per-parameter `step` tensor; megatron restores the step from the saved param groups but,
     in `_set_main_param_and_optimizer_states`, also expects every tensor of the live state (`step` included) in the
     saved per-parameter tensors, which hold only param / exp_avg / exp_avg_sq. Marking `step` as absent there lets
-    megatron skip it. Applies on GPU machines without TE/apex too; a no-op when they are installed.
+    megatron skip it. The dp_reshardable format does hand a `step` over: the state's own tensor from before the load
+    (a non-persistent entry, not the saved step), whose copy would reset every restored step to the placeholder's;
+    it is dropped too. Applies on GPU machines without TE/apex too; a no-op when they are installed.
     """
     global _torch_adam_fixed
     distrib_optimizer = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
@@ -310,8 +312,8 @@ def fix_torch_adam_checkpoint_load() -> None:
     original = cls._set_main_param_and_optimizer_states
 
     def set_states(self: Any, model_param: Any, tensors: dict) -> None:
-        if "step" not in tensors:
-            tensors = {**tensors, "step": None}  # non-tensor entries are skipped by megatron
+        # the step always comes from the saved param groups (megatron's load_state_dict); never from here
+        tensors = {**tensors, "step": None}  # non-tensor entries are skipped by megatron
         original(self, model_param, tensors)
 
     cls._set_main_param_and_optimizer_states = set_states

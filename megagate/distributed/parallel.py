@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from megagate.distributed import megatron_cpu
+from megagate.distributed import launch, megatron_cpu
 from megagate.model.config import ParallelConfig
 
 
@@ -25,6 +25,8 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> Non
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
+        # megatron's groups time out with the world group (launch.distributed_timeout_minutes: save-safe)
+        distributed_timeout_minutes=launch.distributed_timeout_minutes(),
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

@@ -26,7 +26,7 @@ class Device:
     fp8_tflops: float | None  # dense peak; None where the part has no FP8 tensor cores
     intra_node_gbs: float  # GB/s per GPU per direction (NVLink, or PCIe)
     inter_node_gbs: float  # GB/s per GPU per direction (the node's IB/RoCE share)
-    aliases: tuple[str, ...] = ()  # substrings of torch.cuda.get_device_name() that identify it
+    cuda_names: tuple[str, ...] = ()  # torch.cuda.get_device_name() strings of this part, exactly
 
     def peak_tflops(self, precision: str) -> float:
         """The dense peak for a training precision (fp32 runs on TF32 tensor cores at half the bf16 rate)."""
@@ -36,22 +36,35 @@ class Device:
             return self.bf16_tflops / 2
         return self.bf16_tflops
 
+    def mfu_peaks(self, precision: str) -> dict[str, float]:
+        """The peaks (TFLOP/s) a run's MFU is logged against, keyed by the metric's name, which names the peak's
+        precision: fp32 -> mfu_tf32; bf16 -> mfu_bf16; fp8 -> mfu_fp8 and mfu_bf16 (TE runs attention and the
+        norms in bf16, and the bf16 figure compares with bf16 runs); fp8 on a part without FP8 -> mfu_bf16 only."""
+        if precision == "fp32":
+            return {"mfu_tf32": self.bf16_tflops / 2}
+        peaks = {"mfu_bf16": self.bf16_tflops}
+        if precision == "fp8" and self.fp8_tflops:
+            peaks = {"mfu_fp8": self.fp8_tflops, **peaks}
+        return peaks
+
 
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in (
-        Device("h100-sxm", 80 * GB, 989.0, 1979.0, 450.0, 50.0, ("H100 80GB HBM3", "H100 SXM")),
-        Device("h100-pcie", 80 * GB, 756.0, 1513.0, 64.0, 25.0, ("H100 PCIe",)),
-        Device("h100-nvl", 94 * GB, 835.0, 1671.0, 300.0, 50.0, ("H100 NVL",)),
-        Device("h200", 141 * GB, 989.0, 1979.0, 450.0, 50.0, ("H200",)),
-        Device("h20", 96 * GB, 148.0, 296.0, 450.0, 50.0, ("H20",)),
-        Device("gh200", 96 * GB, 989.0, 1979.0, 450.0, 50.0, ("GH200",)),
-        Device("a100-40gb", 40 * GB, 312.0, None, 300.0, 25.0, ("A100-SXM4-40GB", "A100-PCIE-40GB")),
-        Device("a100-80gb", 80 * GB, 312.0, None, 300.0, 25.0, ("A100-SXM4-80GB", "A100 80GB", "A100-PCIE-80GB")),
-        Device("b200", 180 * GB, 2250.0, 4500.0, 900.0, 50.0, ("B200",)),
-        Device("gb200", 186 * GB, 2500.0, 5000.0, 900.0, 50.0, ("GB200",)),
-        Device("l40s", 48 * GB, 362.0, 733.0, 32.0, 12.5, ("L40S",)),
-        Device("l40", 48 * GB, 181.0, 362.0, 32.0, 12.5, ("L40",)),
+        Device("h100-sxm", 80 * GB, 989.0, 1979.0, 450.0, 50.0, ("NVIDIA H100 80GB HBM3",)),
+        Device("h100-pcie", 80 * GB, 756.0, 1513.0, 64.0, 25.0, ("NVIDIA H100 PCIe",)),
+        Device("h100-nvl", 94 * GB, 835.0, 1671.0, 300.0, 50.0, ("NVIDIA H100 NVL",)),
+        Device("h200", 141 * GB, 989.0, 1979.0, 450.0, 50.0, ("NVIDIA H200",)),
+        Device("h200-nvl", 141 * GB, 835.0, 1671.0, 450.0, 50.0, ("NVIDIA H200 NVL",)),
+        Device("h20", 96 * GB, 148.0, 296.0, 450.0, 50.0, ("NVIDIA H20",)),
+        Device("gh200", 96 * GB, 989.0, 1979.0, 450.0, 50.0, ("NVIDIA GH200 480GB", "NVIDIA GH200 96GB HBM3")),
+        Device("gh200-144gb", 144 * GB, 989.0, 1979.0, 450.0, 50.0, ("NVIDIA GH200 144G HBM3e",)),
+        Device("a100-40gb", 40 * GB, 312.0, None, 300.0, 25.0, ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB")),
+        Device("a100-80gb", 80 * GB, 312.0, None, 300.0, 25.0, ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe")),
+        Device("b200", 180 * GB, 2250.0, 4500.0, 900.0, 50.0, ("NVIDIA B200",)),
+        Device("gb200", 186 * GB, 2500.0, 5000.0, 900.0, 50.0, ("NVIDIA GB200",)),
+        Device("l40s", 48 * GB, 362.0, 733.0, 32.0, 12.5, ("NVIDIA L40S",)),
+        Device("l40", 48 * GB, 181.0, 362.0, 32.0, 12.5, ("NVIDIA L40",)),
     )
 }
 
@@ -66,13 +79,7 @@ def device(name: str) -> Device:
 
 
 def from_cuda_name(cuda_name: str) -> Device | None:
-    """The table entry of a `torch.cuda.get_device_name()` string, when known (longest alias wins: "H100 NVL" over
-    "H100", "L40S" over "L40")."""
-    best: tuple[int, Device] | None = None
-    for d in DEVICES.values():
-        for alias in d.aliases:
-            if alias in cuda_name and (best is None or len(alias) > best[0]):
-                best = (len(alias), d)
-    if best is None and "H100" in cuda_name:  # an H100 the aliases do not spell out: assume the SXM part
-        return DEVICES["h100-sxm"]
-    return best[1] if best else None
+    """The table entry of a `torch.cuda.get_device_name()` string, matched exactly (a substring would give the
+    "NVIDIA H100 PCIe" the SXM part's peak and the "NVIDIA L40S" the L40's); None for a part not in the table."""
+    name = " ".join(cuda_name.split())
+    return next((d for d in DEVICES.values() if name in d.cuda_names), None)

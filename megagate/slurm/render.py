@@ -41,6 +41,13 @@ FABRIC_HINTS: tuple[tuple[str, str], ...] = (
     ("NCCL_NVLS_ENABLE", "0 disables NVLink SHARP (some drivers hang with it)"),
 )
 
+# Defaults that yield to the submitting shell's own value (sbatch exports it into the job).
+SOFT_ENV: tuple[tuple[str, str, str], ...] = (
+    # The CUDA caching allocator grows segments instead of fragmenting memory across many: set before CUDA
+    # initialises (megagate.distributed.launch sets it too); torch 2.9 also reads PYTORCH_ALLOC_CONF.
+    ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", "PYTORCH_ALLOC_CONF"),
+)
+
 STATE_SUBDIR = "slurm-state"
 
 
@@ -64,9 +71,15 @@ def _env_lines(request: SlurmRequest) -> list[str]:
             lines.append(f"unset {key}")
         else:
             lines.append(f"export {key}={_q(value)}")
+    for key, value, alias in SOFT_ENV:
+        if key not in env:  # SlurmRequest.env names it: set or unset above, as asked
+            lines.append(f'[[ -n "${{{key}:-}}${{{alias}:-}}" ]] || export {key}={_q(value)}')
     for key, hint in FABRIC_HINTS:
         if key not in env:
             lines.append(f"# export {key}=...   # {hint}")
+    lines.append(
+        "# export MEGAGATE_DIST_TIMEOUT_MINUTES=30   # the collectives' timeout (default 30: outlasts a checkpoint save)"
+    )
     return lines
 
 

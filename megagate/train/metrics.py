@@ -16,14 +16,18 @@ import torch
 from megagate.monitor import runfiles
 
 
-def peak_tflops_per_gpu() -> float | None:
-    """Dense bf16 peak of the local GPU (for MFU), when known."""
-    if not torch.cuda.is_available():
-        return None
+def mfu_peaks(cuda_name: str | None, precision: str) -> tuple[dict[str, float], str | None]:
+    """The peaks (TFLOP/s, keyed by the logged metric's name: mfu_bf16, mfu_fp8, mfu_tf32) of a GPU named
+    `cuda_name` (torch.cuda.get_device_name(), matched exactly) for a run in `precision`, and a one-line note when
+    no MFU can be logged (no GPU, or a part the table does not know)."""
+    if cuda_name is None:
+        return {}, None
     from megagate.plan.devices import from_cuda_name  # the planner's device table, one source for both
 
-    known = from_cuda_name(torch.cuda.get_device_name())
-    return known.bf16_tflops if known else None
+    known = from_cuda_name(cuda_name)
+    if known is None:
+        return {}, f"MFU is not logged: GPU {cuda_name!r} is not in the device table (megagate/plan/devices.py)"
+    return known.mfu_peaks(precision), None
 
 
 class Metrics:
@@ -39,6 +43,7 @@ class Metrics:
         flops_per_token: float,
         world_size: int,
         resumed_at: int = 0,
+        precision: str = "bf16",
     ) -> None:
         self.run_dir, self.enabled = run_dir, enabled
         self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
@@ -51,7 +56,10 @@ class Metrics:
             self.writer = SummaryWriter(
                 log_dir=f"{run_dir}/tensorboard", purge_step=resumed_at + 1 if resumed_at else None
             )
-        self.peak = peak_tflops_per_gpu()
+        # mfu_<precision of the peak>: an FP8 run is measured against both its FP8 and the bf16 peak
+        self.peaks, note = mfu_peaks(torch.cuda.get_device_name() if torch.cuda.is_available() else None, precision)
+        if note and enabled:
+            print(note, flush=True)
         self._start = time.perf_counter()
         self._first_step: int | None = None
 
@@ -78,8 +86,8 @@ class Metrics:
             "step_time": step_time,
             "tflops_per_gpu": tflops,
         }
-        if self.peak:
-            values["mfu"] = tflops / self.peak
+        for key, peak in self.peaks.items():
+            values[key] = tflops / peak
         if torch.cuda.is_available():
             values["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         values.update(extra or {})

@@ -64,6 +64,15 @@ MOE_8X8 = SlurmRequest(
 MOE_8X8_VENV = replace(
     MOE_8X8, container_image=None, container_mounts=(), container_workdir=None, venv="/shared/megagate/.venv"
 )
+# the project's own image (container/Dockerfile, imported with enroot: docs/cluster.md); the code and every
+# dependency are in it, so the step runs the image's python: no venv
+MOE_8X8_IMAGE = replace(
+    MOE_8X8,
+    container_image="/lustre/images/megagate-0.1.0.sqsh",
+    container_mounts=("/lustre:/lustre",),
+    container_workdir="/opt/megagate",
+    venv=None,
+)
 TINY = SlurmRequest(
     nodes=2,
     gpus_per_node=0,
@@ -79,6 +88,7 @@ TINY = SlurmRequest(
 JOBS = (
     Job("15a2b_8x8.sbatch", MOE_8X8, CONFIG_15A2B),
     Job("15a2b_8x8_torchrun.sbatch", MOE_8X8_VENV, CONFIG_15A2B, launcher="torchrun"),
+    Job("15a2b_8x8_container.sbatch", MOE_8X8_IMAGE, CONFIG_15A2B),
     Job("tiny_2x2.sbatch", TINY, CONFIG_TINY, ("train.train_steps=50",)),
     Job(
         "tiny_sweep_array.sbatch",

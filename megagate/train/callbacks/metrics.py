@@ -50,6 +50,7 @@ class MetricsLogger(Callback):
             flops_per_token(cfg.model, t.seq_length),
             trainer.layout.world_size,
             resumed_at=trainer.step,
+            precision=t.precision,
         )
 
     def post_step(self, trainer: Trainer, output: StepOutput) -> None:
