@@ -8,6 +8,11 @@ FP8/BF16 modules, grouped-GEMM experts, the MoE router. Two things are added:
 * with `gate.sandwich_norm`, both bias-dropout-add modules become `SublayerOutputNormBDA`, which normalises the
   sublayer output before the residual add (the paper's sandwich-norm stability baseline).
 
+The core attention inside `self_attention` is chosen by `core_attention` (`CORE_ATTENTIONS`): "te" is Transformer
+Engine's fused attention (backend te only), "local" megatron's `DotProductAttention` (materialises [b, np, sq, sk]
+probabilities), "sdpa" `megagate.model.core_attention.SDPACoreAttention` (torch's fused kernels, memory O(s));
+"auto" is te under backend te, else sdpa, on CPU too (faster and smaller there as well).
+
 With `config.layernorm_zero_centered_gamma` (ModelConfig.norm_zero_centered) on the local backend, megatron's local
 norm (which refuses it) is replaced everywhere (input, pre-MLP, q/k, final and sandwich norms) by
 `megagate.model.norms.ZeroCenteredRMSNorm`; TE's norms read the flag themselves.
@@ -20,6 +25,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
@@ -33,11 +39,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megagate.errors import ConfigError
 from megagate.model.attention import GatedSelfAttention
+from megagate.model.core_attention import SDPACoreAttention, enabled_sdpa_backends
 from megagate.model.gate import GateConfig
 from megagate.model.norms import ZeroCenteredRMSNorm
 from megagate.model.qkv_layout import check_tensor_parallel
 
 BACKENDS = ("local", "te")
+CORE_ATTENTIONS = ("auto", "sdpa", "local", "te")
 
 
 def transformer_engine_available() -> bool:
@@ -58,6 +66,56 @@ def check_backend(backend: str) -> None:
             "backend='te' needs Transformer Engine, which is not installed (pip install -e '.[te]' on a CUDA "
             "machine); use backend='local'"
         )
+
+
+def resolve_core_attention(backend: str, choice: str = "auto") -> str:
+    """The core-attention kernel that `choice` means under `backend`: "te", "local" or "sdpa" (one-line
+    ConfigError for an unknown choice, or "te" without backend te)."""
+    if choice not in CORE_ATTENTIONS:
+        raise ConfigError(f"core_attention={choice!r} is not one of {', '.join(CORE_ATTENTIONS)}")
+    if choice == "auto":
+        return "te" if backend == "te" else "sdpa"
+    if choice == "te" and backend != "te":
+        raise ConfigError(
+            f"core_attention='te' needs backend='te' (got backend={backend!r}); use core_attention='sdpa' or 'local'"
+        )
+    return choice
+
+
+def core_attention_name(backend: str, choice: str = "auto", cuda: bool | None = None) -> str:
+    """A one-line description of the core attention that will run, for `--dry-run`: the resolved kernel, and for
+    sdpa on CUDA the torch SDPA backends enabled in this process."""
+    kernel = resolve_core_attention(backend, choice)
+    if kernel == "te":
+        return "te (Transformer Engine DotProductAttention)"
+    if kernel == "local":
+        return "local (megatron DotProductAttention, materialises [b, np, sq, sk] probabilities)"
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if cuda:
+        return f"sdpa (torch scaled_dot_product_attention; CUDA backends enabled: {', '.join(enabled_sdpa_backends())})"
+    return "sdpa (torch scaled_dot_product_attention; CPU flash kernel)"
+
+
+def experts_name(backend: str, grouped: bool) -> str:
+    """The MoE expert implementation the spec builds (for `--dry-run`)."""
+    if not grouped:
+        return "SequentialMLP (megatron's loop over the local experts)"
+    if backend == "te":
+        return "TEGroupedMLP (Transformer Engine's grouped GEMM)"
+    return "TorchGroupedMLP (torch grouped_mm)"
+
+
+def _core_attention_module(backend: str, choice: str) -> type | None:
+    """The module class for the resolved choice, or None to keep megatron's spec's own (te under te, local under
+    local: the module megatron's backend picks)."""
+    kernel = resolve_core_attention(backend, choice)
+    if kernel == "sdpa":
+        return SDPACoreAttention
+    if kernel == backend:
+        return None
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return DotProductAttention  # local attention under backend te
 
 
 def check_gate_compatible(config: TransformerConfig, gate: GateConfig, tp_size: int) -> None:
@@ -116,12 +174,18 @@ def _norm_builder(layer_spec: ModuleSpec, backend: str) -> Callable[..., Any]:
     return layer_spec.submodules.input_layernorm
 
 
-def gate_layer(layer_spec: ModuleSpec, gate: GateConfig, config: TransformerConfig, backend: str) -> ModuleSpec:
-    """A copy of a megatron TransformerLayer spec with the gated attention (and sandwich norm) swapped in."""
+def gate_layer(
+    layer_spec: ModuleSpec, gate: GateConfig, config: TransformerConfig, backend: str, core_attention: str = "auto"
+) -> ModuleSpec:
+    """A copy of a megatron TransformerLayer spec with the gated attention (and sandwich norm) and the chosen core
+    attention swapped in."""
     spec = copy.deepcopy(layer_spec)
     if config.layernorm_zero_centered_gamma and backend != "te":
         spec = _local_norms_zero_centered(spec)
     attention = spec.submodules.self_attention
+    module = _core_attention_module(backend, core_attention)
+    if module is not None:
+        attention.submodules.core_attention = module  # the deep copy's own submodules
     spec.submodules.self_attention = ModuleSpec(
         module=GatedSelfAttention,
         params={**attention.params, "gate": gate},
@@ -132,6 +196,10 @@ def gate_layer(layer_spec: ModuleSpec, gate: GateConfig, config: TransformerConf
         bda = ModuleSpec(module=SublayerOutputNormBDA, params={"config": config, "norm": norm})
         spec.submodules.self_attn_bda = bda
         spec.submodules.mlp_bda = bda
+    if config.moe_grouped_gemm and backend != "te":  # megatron's local spec would loop the experts (SequentialMLP)
+        from megagate.model.experts import use_torch_grouped_experts
+
+        spec = use_torch_grouped_experts(spec, config)
     return spec
 
 
@@ -142,9 +210,12 @@ def gated_decoder_block_spec(
     vp_stage: int | None = None,
     pp_rank: int | None = None,
     tp_size: int = 1,
+    core_attention: str = "auto",
 ) -> TransformerBlockSubmodules:
-    """megatron's GPT decoder block spec (this pipeline stage's layers) with gated attention in every layer."""
+    """megatron's GPT decoder block spec (this pipeline stage's layers) with gated attention in every layer, its
+    core attention chosen by `core_attention` (see `resolve_core_attention`)."""
     check_backend(backend)
+    resolve_core_attention(backend, core_attention)
     check_gate_compatible(config, gate, tp_size)
     block = get_gpt_decoder_block_spec(
         config,
@@ -153,21 +224,26 @@ def gated_decoder_block_spec(
         vp_stage=vp_stage,
         pp_rank=pp_rank,
     )
-    block.layer_specs = [gate_layer(layer, gate, config, backend) for layer in block.layer_specs]
+    block.layer_specs = [gate_layer(layer, gate, config, backend, core_attention) for layer in block.layer_specs]
     if config.layernorm_zero_centered_gamma and backend != "te":
         block.layer_norm = _local_norms_zero_centered(block.layer_norm)  # the final norm
     return block
 
 
 def gated_layer_spec(
-    config: TransformerConfig, gate: GateConfig, backend: str = "local", tp_size: int = 1
+    config: TransformerConfig,
+    gate: GateConfig,
+    backend: str = "local",
+    tp_size: int = 1,
+    core_attention: str = "auto",
 ) -> ModuleSpec:
     """One gated TransformerLayer spec (dense, or MoE when config.num_moe_experts is set)."""
     check_backend(backend)
+    resolve_core_attention(backend, core_attention)
     check_gate_compatible(config, gate, tp_size)
     single = copy.copy(config)
     single.num_layers, single.moe_layer_freq = 1, 1
     layers = get_gpt_decoder_layer_specs(
         single, use_transformer_engine=backend == "te", normalization=config.normalization
     )
-    return gate_layer(layers[0], gate, config, backend)
+    return gate_layer(layers[0], gate, config, backend, core_attention)

@@ -39,7 +39,7 @@ RECOMPUTE = [
 def saved_bytes(model, b: int, s: int) -> int:
     """Bytes of the distinct non-parameter storages autograd saves in one forward (bf16 model, CPU)."""
     cfg = transformer_config(model, params_dtype=torch.bfloat16, use_cpu=True)
-    gpt = build_gpt_model(model, cfg).train()
+    gpt = build_gpt_model(model, cfg, core_attention="local").train()  # CPU_LOCAL: megatron's local attention
     params = {p.untyped_storage().data_ptr() for p in gpt.parameters()}
     seen: dict[int, tuple[int, torch.Tensor]] = {}
 
