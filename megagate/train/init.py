@@ -11,7 +11,9 @@ Every parameter gets its value from exactly one explicit rule, and a parameter t
 * `RULES` below, matched on the parameter's name: megatron's initialisation, normal(0, σ) for weights, σ/√(2L) for
   the output projections of each sublayer (`linear_proj`, `linear_fc2`), ones for norm weights, zeros for biases.
 
-Naming and sharding are explicit too: `_global_name` (layer and expert renumbering, the tied output layer) and
+Naming and sharding are explicit too: `_global_name` (layer and expert renumbering, the tied output layer;
+`global_expert_name` gives every expert implementation — SequentialMLP, TorchGroupedMLP, TEGroupedMLP — the same
+name per global expert, hence the same values) and
 `_shard` (megatron's TP attributes, SwiGLU fc1 halves; expert weights over the expert-tensor-parallel group).
 """
 
@@ -28,8 +30,10 @@ from megagate.model.attention import GatedSelfAttention
 from megagate.model.gate_params import GateParam
 
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
-# SequentialMLP's experts: `...mlp.experts.local_experts.<local index>.linear_fc{1,2}.weight`
+# SequentialMLP's and TorchGroupedMLP's experts: `...mlp.experts.local_experts.<local index>.linear_fc{1,2}.weight`
 _EXPERT = re.compile(r"^(.*local_experts\.)(\d+)(\..*)$")
+# TEGroupedMLP's experts (TE GroupedLinear's numbered parameters): `...mlp.experts.linear_fc{1,2}.weight<local index>`
+_TE_GROUPED_EXPERT = re.compile(r"^(.*\.experts\.)(linear_fc[12])\.(weight|bias)(\d*)$")
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,29 @@ def rule_for(name: str) -> Rule:
     )
 
 
+def global_expert_name(name: str, ep_rank: int, num_local_experts: int) -> str:
+    """The full-model name of a parameter, for expert parameters SequentialMLP's name with the GLOBAL expert index.
+
+    Every expert implementation maps to the same name, so an expert gets the same values from SequentialMLP,
+    TorchGroupedMLP (same names) and TEGroupedMLP (`experts.linear_fc1.weight3` -> `experts.local_experts.<g>.
+    linear_fc1.weight`), under any EP size: this EP rank holds experts [ep_rank·local, (ep_rank+1)·local).
+    Other names come back unchanged."""
+    offset = ep_rank * num_local_experts
+    match = _EXPERT.match(name)
+    if match:
+        return f"{match.group(1)}{int(match.group(2)) + offset}{match.group(3)}"
+    match = _TE_GROUPED_EXPERT.match(name)
+    if match:
+        head, linear, kind, index = match.groups()
+        if not index:  # TE >= 2.14's moe_single_grouped_weight: one tensor for all experts
+            raise ValueError(
+                f"expert parameter {name!r} holds all local experts in one tensor (moe_single_grouped_weight): "
+                "layout-independent initialisation needs one tensor per expert; set moe_single_grouped_weight=False"
+            )
+        return f"{head}local_experts.{int(index) + offset}.{linear}.{kind}"
+    return name
+
+
 def _global_name(name: str, chunk: torch.nn.Module, ep_rank: int) -> str:
     """The parameter's name in the full model: global layer number, global expert index, tied embedding."""
     if name == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False):
@@ -72,10 +99,8 @@ def _global_name(name: str, chunk: torch.nn.Module, ep_rank: int) -> str:
     if layer_match:
         layer = chunk.decoder.layers[int(layer_match.group(2))]
         name = f"{layer_match.group(1)}{layer.layer_number - 1}{layer_match.group(3)}"
-        expert_match = _EXPERT.match(name)
-        if expert_match:  # this rank holds experts [ep_rank·local, (ep_rank+1)·local)
-            local = len(layer.mlp.experts.local_experts)
-            name = f"{expert_match.group(1)}{int(expert_match.group(2)) + ep_rank * local}{expert_match.group(3)}"
+        if ".experts." in name:  # SequentialMLP, TorchGroupedMLP and TEGroupedMLP all have num_local_experts
+            name = global_expert_name(name, ep_rank, layer.mlp.experts.num_local_experts)
     return name
 
 
@@ -160,6 +185,7 @@ def initialize(model_chunks: list[torch.nn.Module], seed: int, std: float, num_l
             global_name = _global_name(name, chunk, ep_rank)
             shape = _full_shape(param, size)
             full = initial_value(global_name, shape, seed, std, num_layers, gate_entries.get(name), zero_centered)
-            param.copy_(_shard(full, name, param, rank, size, glu).to(param.dtype))
+            # the global name decides the SwiGLU split: TE's `linear_fc1.weight<i>` is a SwiGLU fc1 too
+            param.copy_(_shard(full, global_name, param, rank, size, glu).to(param.dtype))
             count += 1
     return count
