@@ -18,6 +18,10 @@ Which parameters exist, their shapes, TP axes, initial values and sequence-paral
 `megagate.model.gate_params.gate_parameters`; this module creates what the table lists and nothing else.
 
 G2/G3/G4 gate the projected value/key/query before QK-norm and RoPE (the paper's "after the projection").
+
+Head-shared gates and G5 project the layer's *normed* input. Where the input norm is fused into linear_qkv (TE's
+spec: `input_layernorm` is an IdentityOp and hidden_states are the raw residual), that norm is recomputed with
+linear_qkv's own parameters (megagate.model.fused_norm.normed_input), so the TE spec computes the local spec's function.
 """
 
 from __future__ import annotations
@@ -32,15 +36,21 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
+from megatron.core.transformer import attention as _mcore_attention
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_size
 from torch import Tensor
 
+from megagate.model.fused_norm import normed_input
 from megagate.model.gate import GateConfig, combine, gate_scores, head_rms_norm
 from megagate.model.gate_params import GateParam, gate_parameters
-from megagate.model.qkv_layout import QkvLayout, qkv_layout, split_rows
+from megagate.model.qkv_layout import QkvLayout, qkv_layout
+
+# TE's split whose backward writes the segment gradients into one buffer instead of concatenating them: megatron's
+# attention uses it when TE is installed, and so does this one (None without TE: torch.split).
+_SplitAlongDim = getattr(_mcore_attention, "SplitAlongDim", None)
 
 
 class GatedSelfAttention(SelfAttention):
@@ -65,6 +75,13 @@ class GatedSelfAttention(SelfAttention):
         # Megatron's output-gate hook carries the G1 logits (and the SDPA-output baselines) from the qkv split to
         # the core-attention output; a private copy of the config switches it on for this module only.
         self._uses_output_hook = gate.position == "g1" or gate.sdpa_norm != "none"
+        # the G1 gate can be applied to the flat [sq, b, np_p * hn] output when scores and output match elementwise
+        self._flat_output_gate = (
+            gate.position == "g1"
+            and gate.width(head_dim) == head_dim
+            and gate.fused_rows
+            and not any(e.role == "activation" for e in table)
+        )
         if self._uses_output_hook:
             config = copy.copy(config)
             config.attention_output_gate = True
@@ -137,6 +154,10 @@ class GatedSelfAttention(SelfAttention):
         if entry.role == "logits":
             return self._score_shaped(entry)
         weight = getattr(self, entry.name)
+        # The gate projects the layer's normed input. With the input norm fused into linear_qkv (TE's spec), the
+        # hidden_states reaching here are the raw residual: apply that same norm (per token, so on this rank's
+        # sequence chunk under SP, before any gather).
+        hidden_states = normed_input(self.linear_qkv, hidden_states)
         if self.gate.position == "g5":
             # the output of linear_proj is this rank's sequence chunk under SP, and whole otherwise: so is the input
             return torch.nn.functional.linear(hidden_states, weight)
@@ -160,31 +181,30 @@ class GatedSelfAttention(SelfAttention):
         output_gate: bool = False,
         split_qkv: bool = True,
     ) -> tuple[Tensor, ...]:
-        """Split the fused projection into query [sq, b, np_p, hn], key/value [sq, b, ng_p, hn] and gate logits."""
+        """Split the fused projection into query [sq, b, np_p, hn], key/value [sq, b, ng_p, hn] and gate logits.
+
+        megatron's own split, for every layout: view [sq, b, ng_p, rows_per_group], split the last dim into the
+        group's segments (views), and reshape only the per-group query-side tensors to per head (the one copy
+        megatron makes too); key, value and kv-side gates stay views."""
         gate, layout = self.gate, self.qkv_layout
         mixed_qkv, _ = self.linear_qkv(hidden_states)  # [sq, b, ng_p * rows_per_group]
         sq, b = mixed_qkv.shape[:2]
-        parts = split_rows(mixed_qkv.movedim(-1, 0), layout)  # {name: [ng_p, rows, sq, b]}
-        parts = {name: t.movedim(1, -1) for name, t in parts.items()}  # {name: [ng_p, sq, b, rows]}
+        grouped = mixed_qkv.view(sq, b, layout.num_groups, layout.rows_per_group)  # [sq, b, ng_p, rows_per_group]
+        names, sizes = zip(*layout.group_segments())
+        if _SplitAlongDim is not None:
+            pieces = _SplitAlongDim(grouped, 3, list(sizes))
+        else:
+            pieces = torch.split(grouped, list(sizes), dim=3)
+        parts = dict(zip(names, pieces))  # {name: [sq, b, ng_p, rows]}
 
-        def per_head(t: Tensor, heads_per_group: int) -> Tensor:
-            # [ng_p, sq, b, hpg * d] -> [sq, b, ng_p * hpg, d]
-            ng = t.shape[0]
-            return (
-                t.reshape(ng, sq, b, heads_per_group, -1)
-                .permute(1, 2, 0, 3, 4)
-                .reshape(sq, b, ng * heads_per_group, -1)
-            )
-
-        query = per_head(parts["q"], layout.heads_per_group)
-        key = per_head(parts["k"], 1)
-        value = per_head(parts["v"], 1)
+        query = parts["q"].reshape(sq, b, -1, layout.head_dim)  # [sq, b, np_p, hn]
+        key, value = parts["k"], parts["v"]  # [sq, b, ng_p, hn]
 
         logits = None
         if "q_gate" in parts:
-            logits = per_head(parts["q_gate"], layout.heads_per_group)
+            logits = parts["q_gate"].reshape(sq, b, -1, layout.q_gate_width)  # [sq, b, np_p, w]
         elif "kv_gate" in parts:
-            logits = per_head(parts["kv_gate"], 1)
+            logits = parts["kv_gate"]  # [sq, b, ng_p, w]
         elif gate.enabled and gate.position != "g5":
             logits = self._unfused_logits(hidden_states)
         if gate.position == "g4":
@@ -206,6 +226,9 @@ class GatedSelfAttention(SelfAttention):
 
     def _apply_output_gate(self, x: Tensor, logits: Tensor) -> Tensor:
         """G1 gate or SDPA-output baseline on the core-attention output x: [sq, b, np_p * hn]."""
+        if self._flat_output_gate and self.score_observer is None:
+            # elementwise G1 without activation parameters: megatron's own shapes (the logits viewed as x)
+            return self._gate(x, logits.view(x.shape))
         sq, b = x.shape[:2]
         y = x.view(sq, b, self.num_attention_heads_per_partition, self.config.kv_channels)
         if self.gate.position == "g1":
