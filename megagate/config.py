@@ -10,6 +10,8 @@ Sections (Megatron-LM's names for the parallel sizes):
     checkpoint: dir, interval, keep_last, load, optimizer_format
     logging:    interval, tensorboard
     monitor:    spike monitor and live diagnostics (megagate.monitor)
+    perf:       performance features (fusions, grouped GEMM, overlap, CUDA graphs, manual GC, profiling) resolved
+                per device by `resolve_perf` (docs/performance.md)
     output:     dir
     seed
 
@@ -20,6 +22,7 @@ and check the layout for a world size with `layout` (megagate.distributed.layout
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import typing
@@ -37,7 +40,8 @@ from megagate.model.config import ModelConfig, ParallelConfig
 from megagate.model.config import from_dict as model_from_dict
 from megagate.model.qkv_layout import check_tensor_parallel
 from megagate.monitor.config import MonitorConfig
-from megagate.sections import build_section, check_type
+from megagate.perf import Device, check_perf
+from megagate.sections import as_mapping, build_section, check_choice, check_type
 from megagate.yamlfile import load_mapping
 
 PRECISIONS = ("fp32", "bf16", "fp8")
@@ -57,10 +61,17 @@ class TrainSection:
     train_steps: int = 100
     precision: str = "fp32"
     backend: str = "auto"  # auto: Transformer Engine when installed and on GPU, else megatron's local modules
-    fp8_recipe: str = "delayed"
-    fp8_margin: int = 0
-    fp8_amax_history_len: int = 1024
-    fp8_amax_compute_algo: str = "max"
+    # FP8 (precision: fp8; Transformer Engine): NVIDIA's Hopper MoE recipe is blockwise with e4m3
+    fp8_recipe: str = "blockwise"
+    fp8_format: str | None = None  # e4m3 | hybrid; None: e4m3 for blockwise/mxfp8, hybrid for delayed/tensorwise
+    fp8_margin: int = 0  # delayed scaling only
+    fp8_amax_history_len: int = 1024  # delayed scaling only
+    fp8_amax_compute_algo: str = "max"  # delayed scaling only
+    fp8_param_gather: bool = False  # FP8 parameters: the distributed optimizer all-gathers FP8, not bf16
+    moe_router_padding_for_fp8: bool | None = None  # None: on for MoE (TE's FP8 grouped GEMM wants 16-row groups)
+    first_last_layers_bf16: bool = False  # keep the first/last layers of each pipeline stage in bf16
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
     lr: float = 1e-3
     min_lr: float = 1e-5
     lr_schedule: str = "cosine"
@@ -106,7 +117,9 @@ class CheckpointSection:
     # a fresh run (nothing to resume in dir) starts from these weights (another run's checkpoint, its root or run
     # folder): same architecture, new optimizer, schedule and data (a context extension, a continued pre-training)
     init_from: str | None = None
-    optimizer_format: str = "fully_reshardable"  # fully_reshardable allows TP/PP changes on resume
+    # dp_reshardable: each rank saves its own optimizer shard (no gather); a resume may change only the DP size.
+    # fully_reshardable gathers the DP group's state onto one rank per save and allows any TP/PP/EP change.
+    optimizer_format: str = "dp_reshardable"
 
 
 @dataclass(frozen=True)
@@ -121,6 +134,57 @@ class OutputSection:
 
 
 @dataclass(frozen=True)
+class ProfileSection:
+    """`perf.profile`: a torch.profiler trace of global steps [start, end] on the chosen global ranks."""
+
+    steps: list | None = None  # [start, end], 1-based and inclusive; None: no profiling
+    ranks: list = field(default_factory=lambda: [0])
+    nvtx: bool | str = "auto"  # NVTX ranges per step and op (for nsys); auto: on GPU only
+    dir: str | None = None  # default: <output.dir>/profile
+
+
+@dataclass(frozen=True)
+class PerfSection:
+    """Performance features (docs/performance.md). `None`/"auto": the GPU default on GPU; on CPU what cannot run
+    there is off. Resolved for a device by `resolve_perf`; the trainer's megatron configs come from the result."""
+
+    core_attention: str = "auto"  # auto | sdpa | local | te (auto: te with backend te, else sdpa)
+    # MoE
+    moe_grouped_gemm: bool | None = None  # None: on GPU (TE's grouped GEMM, or torch's without TE); off on CPU
+    moe_token_dispatcher_type: str = "auto"  # auto | alltoall | allgather | flex (auto: alltoall; CPU allgather)
+    moe_permute_fusion: bool | None = None  # None: with Transformer Engine
+    moe_router_fusion: bool | None = None  # None: with Transformer Engine
+    moe_router_dtype: str | None = "fp32"  # fp32 | fp64 | null (the parameter dtype)
+    # data-parallel communication
+    overlap_grad_reduce: bool | None = None  # None: on GPU
+    overlap_param_gather: bool | None = None  # None: on GPU with the distributed optimizer
+    bucket_size: int | None = None  # elements per DDP bucket (None: megatron's max(40M, 1M x DP))
+    # selective recompute's modules (model.recompute_granularity: selective); None: megatron's ["core_attn"]
+    recompute_modules: list | None = None
+    # fusions; None: on GPU where their kernels exist (see resolve_perf)
+    bias_activation_fusion: bool | None = None  # bias-SwiGLU
+    bias_dropout_fusion: bool | None = None
+    apply_rope_fusion: bool | None = None
+    masked_softmax_fusion: bool | None = None
+    cross_entropy_loss_fusion: bool | None = None
+    cross_entropy_fusion_impl: str = "native"  # native | te
+    gradient_accumulation_fusion: bool | None = None
+    # CUDA graphs (megatron 0.19.2: cuda_graph_impl + cuda_graph_modules)
+    cuda_graph_impl: str = "none"  # none | local | transformer_engine
+    cuda_graph_modules: list | None = None  # attn, mlp, moe, moe_router, moe_preprocess; None/[]: whole layer
+    cuda_graph_warmup_steps: int = 3
+    # precision-aware optimizer (TE's FusedAdam; distributed optimizer)
+    use_precision_aware_optimizer: bool = False
+    main_params_dtype: str = "fp32"  # fp32 | fp16
+    main_grads_dtype: str = "fp32"  # fp32 | bf16
+    exp_avg_dtype: str = "fp32"  # fp32 | fp16 | bf16 | fp8
+    exp_avg_sq_dtype: str = "fp32"  # fp32 | fp16 | bf16 | fp8
+    # Python's garbage collector: disabled, run every N steps on every rank at once (0: Python's own)
+    manual_gc_interval: int | None = None  # None: 5 on GPU (NVIDIA's Qwen3-30B-A3B recipe), 0 on CPU
+    profile: ProfileSection = field(default_factory=ProfileSection)
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig
     parallel: ParallelConfig = ParallelConfig()
@@ -130,6 +194,7 @@ class TrainConfig:
     logging: LoggingSection = LoggingSection()
     output: OutputSection = OutputSection()
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    perf: PerfSection = field(default_factory=PerfSection)
     seed: int = 1234
     raw: dict = field(default_factory=dict, compare=False, repr=False)  # the merged YAML, for the run directory
 
@@ -180,7 +245,13 @@ def _model(values: Any) -> ModelConfig:
     return model_from_dict(values, gate)
 
 
-SECTIONS = ("model", "parallel", "train", "data", "checkpoint", "logging", "output", "monitor", "seed")
+SECTIONS = ("model", "parallel", "train", "data", "checkpoint", "logging", "output", "monitor", "perf", "seed")
+
+
+def _perf(values: Any) -> PerfSection:
+    values = as_mapping(values, "perf")
+    profile = build_section(ProfileSection, values.pop("profile", None), "perf.profile")
+    return dataclasses.replace(build_section(PerfSection, values, "perf"), profile=profile)
 
 
 def from_dict(data: Mapping[str, Any], *, environment: bool = True) -> TrainConfig:
@@ -199,6 +270,7 @@ def from_dict(data: Mapping[str, Any], *, environment: bool = True) -> TrainConf
         logging=build_section(LoggingSection, data.get("logging"), "logging"),
         output=build_section(OutputSection, data.get("output"), "output"),
         monitor=MonitorConfig.from_dict(data.get("monitor")),
+        perf=_perf(data.get("perf")),
         seed=check_type(data.get("seed", 1234), int, "seed"),
         raw=dict(data),
     )
@@ -212,11 +284,6 @@ def load(path: str, overrides: list[str] | None = None, *, environment: bool = T
 
 
 # --- validation --------------------------------------------------------------------------------------------------
-def _choice(value: str, allowed: tuple[str, ...], path: str) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{path}={value!r} is not one of {', '.join(allowed)}")
-
-
 def validate(cfg: TrainConfig, *, environment: bool = True) -> None:
     """Checks that need no process group (the world size is checked in `layout`).
 
@@ -226,12 +293,12 @@ def validate(cfg: TrainConfig, *, environment: bool = True) -> None:
     checks everything.
     """
     t, p, m = cfg.train, cfg.parallel, cfg.model
-    _choice(t.precision, PRECISIONS, "train.precision")
-    _choice(t.lr_schedule, LR_SCHEDULES, "train.lr_schedule")
-    _choice(t.backend, BACKENDS, "train.backend")
-    _choice(t.fp8_recipe, FP8_RECIPES, "train.fp8_recipe")
-    _choice(cfg.data.loader, ("torch", "dali"), "data.loader")
-    _choice(cfg.checkpoint.optimizer_format, OPTIMIZER_FORMATS, "checkpoint.optimizer_format")
+    check_choice(t.precision, PRECISIONS, "train.precision")
+    check_choice(t.lr_schedule, LR_SCHEDULES, "train.lr_schedule")
+    check_choice(t.backend, BACKENDS, "train.backend")
+    check_choice(t.fp8_recipe, FP8_RECIPES, "train.fp8_recipe")
+    check_choice(cfg.data.loader, ("torch", "dali"), "data.loader")
+    check_choice(cfg.checkpoint.optimizer_format, OPTIMIZER_FORMATS, "checkpoint.optimizer_format")
     for name in ("micro_batch_size", "global_batch_size", "seq_length", "train_steps"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
@@ -270,6 +337,11 @@ def validate(cfg: TrainConfig, *, environment: bool = True) -> None:
         from megagate.model.spec import check_backend
 
         check_backend("te")
+    check_perf(cfg, Device.target(cfg))  # the rules of the GPU the config is written for, judged anywhere
+    if environment:
+        device = Device.detect()
+        if device.gpu:  # and of this GPU (a CPU switches off what it cannot run: nothing to refuse there)
+            check_perf(cfg, device)
     d = cfg.data
     if not (d.mock or d.demo or d.blend):
         raise ConfigError("data: give data.blend (dataset prefixes), or data.mock=true, or data.demo=true")
@@ -345,6 +417,7 @@ def _check_optimizer(t: TrainSection) -> None:
             raise ConfigError(f"train.{name}={value} must be {what}")
     if t.adam_eps <= 0:
         raise ConfigError(f"train.adam_eps={t.adam_eps} must be positive")
+    check_choice(t.fp8_recipe, FP8_RECIPES, "train.fp8_recipe")
     if t.fp8_amax_history_len < 1:
         raise ConfigError(f"train.fp8_amax_history_len={t.fp8_amax_history_len} must be >= 1")
 

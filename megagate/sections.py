@@ -33,6 +33,12 @@ def refuse_unknown(values: Mapping, allowed: Iterable[str], path: str) -> None:
         raise ConfigError(f"{path}.{unknown[0]} is not a known key; allowed: {', '.join(sorted(allowed))}")
 
 
+def check_choice(value: Any, allowed: tuple[str, ...], path: str) -> None:
+    """ConfigError unless `value` is one of `allowed`."""
+    if value not in allowed:
+        raise ConfigError(f"{path}={value!r} is not one of {', '.join(allowed)}")
+
+
 def check_type(value: Any, annotation: Any, path: str) -> Any:
     """`value` checked against the type hint `annotation` (floats: finite, numeric text accepted); ConfigError."""
     origin = typing.get_origin(annotation)

@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("megagate.distributed",),
     ("megagate.data",),
     ("megagate.monitor",),
-    ("megagate.config",),
+    ("megagate.perf", "megagate.config"),
     ("megagate.plan",),
     ("megagate.train",),
     ("megagate.evaluate",),

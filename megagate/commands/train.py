@@ -52,7 +52,45 @@ def describe(cfg: config_mod.TrainConfig, world_size: int) -> str:
         f"clip {t.clip_grad}; weight decay {t.weight_decay}",
         f"output: {cfg.output.dir}; checkpoints: {cfg.checkpoint_dir}",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + perf_lines(cfg))
+
+
+def perf_lines(cfg: config_mod.TrainConfig) -> list[str]:
+    """The perf settings in force on the GPU nodes the config is written for (megagate.perf.resolve_perf)."""
+    from megagate import perf as perf_mod
+
+    target = perf_mod.Device.target(cfg)
+    perf = perf_mod.resolve_perf(cfg, target)
+    from megagate.model.spec import core_attention_name, experts_name, resolve_core_attention
+
+    t, m = cfg.train, cfg.model
+    backend = "te" if perf.backend_te else "local"
+    attention = resolve_core_attention(backend, cfg.perf.core_attention)
+    kernels = f"kernels: attention {core_attention_name(backend, cfg.perf.core_attention, cuda=True)}"
+    if m.is_moe:
+        kernels += f"; experts {experts_name(backend, perf.moe_grouped_gemm)}"
+    lines = [
+        kernels,
+        f"perf (on GPU, {'Transformer Engine' if perf.backend_te else 'no Transformer Engine'}): "
+        f"core attention {attention} ({cfg.perf.core_attention}); recompute {m.recompute_granularity or 'none'}"
+        + (f" {list(perf.recompute_modules)}" if perf.recompute_modules else ""),
+    ] + perf.describe()
+    if t.precision == "fp8":
+        lines.append(
+            f"fp8: recipe {t.fp8_recipe}, format {perf.fp8_format}; parameter gather {t.fp8_param_gather}"
+            + (
+                f"; bf16 first {t.num_layers_at_start_in_bf16} / last {t.num_layers_at_end_in_bf16} layers"
+                if t.first_last_layers_bf16
+                else ""
+            )
+        )
+    if cfg.perf.profile.steps:
+        prof = cfg.perf.profile
+        lines.append(
+            f"profile: steps {prof.steps[0]}-{prof.steps[1]} on ranks {prof.ranks} into "
+            f"{prof.dir or os.path.join(cfg.output.dir, 'profile')}"
+        )
+    return lines
 
 
 def _free_port() -> int:

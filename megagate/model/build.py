@@ -20,7 +20,13 @@ def transformer_config(
     perform_initialization: bool = True,
     **extra: Any,
 ) -> TransformerConfig:  # noqa: F821
-    """megatron's TransformerConfig for `model` under `parallel` (CPU-safe fusions off when CUDA is absent)."""
+    """megatron's TransformerConfig for `model` under `parallel` (CPU-safe fusions off when CUDA is absent).
+
+    `extra` wins over everything set here: the trainer passes its precision (FP8 recipe) and the perf settings in
+    force on its device (megagate.train.components.model_transformer_config, from the config's `perf:` section).
+    Without them (evaluation, the planner's parameter counts) the model is built as megatron's defaults build it:
+    SequentialMLP experts, no fusions; the parameters are the same.
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cpu = (not torch.cuda.is_available()) if use_cpu is None else use_cpu
@@ -37,7 +43,7 @@ def transformer_config(
             # softmax over all experts before top-k (no renormalisation) when the top-k probabilities are not
             # normalised; megatron's default softmax over the top-k logits otherwise
             moe_router_pre_softmax=not model.moe_router_norm_topk,
-            # alltoall needs CUDA streams; allgather is exact and works over gloo
+            # alltoall needs CUDA streams; allgather is exact and works over gloo (perf: overrides both)
             moe_token_dispatcher_type="allgather" if cpu else "alltoall",
             moe_grouped_gemm=False,
         )
@@ -113,8 +119,10 @@ def build_gpt_model(
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int | None = None,
+    core_attention: str = "auto",
 ) -> GPTModel:  # noqa: F821
-    """A megatron GPTModel built from the gated decoder block spec (this pipeline stage's part)."""
+    """A megatron GPTModel built from the gated decoder block spec (this pipeline stage's part); `core_attention`
+    ("auto" | "sdpa" | "local" | "te") picks the attention kernel (`megagate.model.spec.resolve_core_attention`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -126,6 +134,7 @@ def build_gpt_model(
         backend=backend,
         vp_stage=vp_stage,
         tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        core_attention=core_attention,
     )
     return GPTModel(
         config=config,

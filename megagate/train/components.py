@@ -8,6 +8,7 @@ Trainer (megagate.train.trainer) steps them. Nothing here knows about the loop o
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,9 +17,11 @@ from typing import Any
 import torch
 
 from megagate import config as config_mod
+from megagate import perf as perf_mod
 from megagate.config import Layout, TrainConfig
 from megagate.errors import ConfigError
 from megagate.model.build import build_gpt_model, transformer_config
+from megagate.train.metrics import log
 
 
 @dataclass
@@ -58,19 +61,80 @@ def resolve_backend(cfg: TrainConfig) -> str:
 
 def precision_kwargs(cfg: TrainConfig) -> tuple[torch.dtype, dict]:
     """(parameter dtype, extra TransformerConfig arguments) of `train.precision` (fp8: TE's recipe options)."""
-    t = cfg.train
+    t, m = cfg.train, cfg.model
     if t.precision == "fp32":
         return torch.float32, {}
     extra: dict[str, Any] = {}
     if t.precision == "fp8":
         extra = dict(
-            fp8="hybrid",
+            fp8=perf_mod.fp8_format(t),
             fp8_recipe=t.fp8_recipe,
             fp8_margin=t.fp8_margin,
             fp8_amax_history_len=t.fp8_amax_history_len,
             fp8_amax_compute_algo=t.fp8_amax_compute_algo,
+            fp8_param=t.fp8_param_gather,  # parameters kept in FP8 (Megatron-LM sets both from --fp8-param-gather)
+            first_last_layers_bf16=t.first_last_layers_bf16,
+            num_layers_at_start_in_bf16=t.num_layers_at_start_in_bf16,
+            num_layers_at_end_in_bf16=t.num_layers_at_end_in_bf16,
         )
+        if m.is_moe:
+            # megatron 0.19 renames moe_router_padding_for_fp8 (deprecated, warns) to ..._for_quantization
+            extra["moe_router_padding_for_quantization"] = t.moe_router_padding_for_fp8 is not False
     return torch.bfloat16, extra
+
+
+def resolved_perf(cfg: TrainConfig, device: perf_mod.Device | None = None) -> perf_mod.ResolvedPerf:
+    """The perf settings in force on `device` (default: this machine)."""
+    return perf_mod.resolve_perf(cfg, perf_mod.Device.detect() if device is None else device)
+
+
+def perf_transformer_kwargs(cfg: TrainConfig, perf: perf_mod.ResolvedPerf) -> dict[str, Any]:
+    """The TransformerConfig arguments of the resolved perf settings (MoE keys only for MoE models)."""
+    kwargs: dict[str, Any] = dict(
+        bias_activation_fusion=perf.bias_activation_fusion,
+        bias_dropout_fusion=perf.bias_dropout_fusion,
+        apply_rope_fusion=perf.apply_rope_fusion,
+        masked_softmax_fusion=perf.masked_softmax_fusion,
+        cross_entropy_loss_fusion=perf.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=perf.cross_entropy_fusion_impl,
+        gradient_accumulation_fusion=perf.gradient_accumulation_fusion,
+        cuda_graph_impl=perf.cuda_graph_impl,
+    )
+    if perf.cuda_graph_impl != "none":
+        kwargs.update(use_te_rng_tracker=perf.cuda_graph_impl == "transformer_engine")
+        kwargs.update(
+            cuda_graph_modules=list(perf.cuda_graph_modules), cuda_graph_warmup_steps=perf.cuda_graph_warmup_steps
+        )
+    if perf.recompute_modules is not None:
+        kwargs["recompute_modules"] = list(perf.recompute_modules)
+    if cfg.model.is_moe:
+        kwargs.update(
+            moe_grouped_gemm=perf.moe_grouped_gemm,
+            moe_token_dispatcher_type=perf.moe_token_dispatcher_type,
+            moe_permute_fusion=perf.moe_permute_fusion,
+            moe_router_fusion=perf.moe_router_fusion,
+            moe_router_dtype=perf.moe_router_dtype,
+        )
+        if perf.moe_token_dispatcher_type == "flex":
+            kwargs["moe_flex_dispatcher_backend"] = "deepep"
+    return kwargs
+
+
+def model_transformer_config(
+    cfg: TrainConfig, device: perf_mod.Device | None = None, **extra: Any
+) -> TransformerConfig:  # noqa: F821
+    """The run's megatron TransformerConfig on `device` (default: this machine): model, parallel sizes, precision
+    and the perf settings in force there."""
+    device = perf_mod.Device.detect() if device is None else device
+    dtype, fp8 = precision_kwargs(cfg)
+    perf = perf_mod.resolve_perf(cfg, device)
+    return transformer_config(
+        cfg.model,
+        cfg.parallel,
+        params_dtype=dtype,
+        use_cpu=not device.gpu,
+        **{**fp8, **perf_transformer_kwargs(cfg, perf), **extra},
+    )
 
 
 # --- model, DDP, optimizer ---------------------------------------------------------------------------------------
@@ -80,9 +144,14 @@ def build_model_chunks(cfg: TrainConfig) -> list:
 
     from megagate.train import init
 
-    dtype, extra = precision_kwargs(cfg)
-    tconfig = transformer_config(cfg.model, cfg.parallel, params_dtype=dtype, **extra)
+    tconfig = model_transformer_config(cfg)
     backend = resolve_backend(cfg)
+    # S's SDPA core attention: passed where build_gpt_model takes the choice
+    attention = (
+        {"core_attention": cfg.perf.core_attention}
+        if "core_attention" in inspect.signature(build_gpt_model).parameters
+        else {}
+    )
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -94,6 +163,7 @@ def build_model_chunks(cfg: TrainConfig) -> list:
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             vp_stage=stage,
+            **attention,
         )
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
@@ -102,48 +172,86 @@ def build_model_chunks(cfg: TrainConfig) -> list:
     return chunks
 
 
-def wrap_ddp(cfg: TrainConfig, chunks: list) -> list:
-    """megatron's DistributedDataParallel around each chunk (bucketing on the first only, as megatron-LM does)."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-    )
+def ddp_config(cfg: TrainConfig, device: perf_mod.Device | None = None) -> DistributedDataParallelConfig:  # noqa: F821
+    """megatron's DistributedDataParallelConfig of the run on `device` (default: this machine)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
 
-    ddp_config = DistributedDataParallelConfig(
+    perf = resolved_perf(cfg, device)
+    return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=perf.overlap_grad_reduce,
+        overlap_param_gather=perf.overlap_param_gather,
+        bucket_size=perf.bucket_size,
         use_distributed_optimizer=cfg.train.use_distributed_optimizer,
+        fp8_param_gather=cfg.train.precision == "fp8" and cfg.train.fp8_param_gather,
         check_for_nan_in_grad=False,  # the spike monitor sees non-finite gradients and decides what to do
     )
+
+
+def sync_params(ddp: list) -> None:
+    """Gather every chunk's parameters now where the gather overlaps the next forward (perf.overlap_param_gather):
+    after an optimizer step the model's own copy is stale on the shards other ranks updated until that forward runs,
+    so a checkpoint must gather first (Megatron-LM's disable_forward_pre_hook before a save)."""
+    for chunk in ddp:
+        if chunk.ddp_config.use_distributed_optimizer and chunk.ddp_config.overlap_param_gather:
+            with torch.no_grad():
+                chunk.start_param_sync(force_sync=True)
+
+
+def wrap_ddp(cfg: TrainConfig, chunks: list) -> list:
+    """megatron's DistributedDataParallel around each chunk (bucketing on the first only, as megatron-LM does)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    config = ddp_config(cfg)
     return [
-        DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0)
-        for i, chunk in enumerate(chunks)
+        DistributedDataParallel(chunk.config, config, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)
     ]
+
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.uint8}
+
+
+def optimizer_config(cfg: TrainConfig, device: perf_mod.Device | None = None) -> OptimizerConfig:  # noqa: F821
+    """megatron's OptimizerConfig (AdamW with clipping; the precision-aware optimizer's dtypes) on `device`."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    t = cfg.train
+    perf = resolved_perf(cfg, device)
+    dtype, _ = precision_kwargs(cfg)
+    precision_aware: dict[str, Any] = {}
+    if perf.use_precision_aware_optimizer:
+        # megatron stores fp8 optimizer moments as torch.uint8 (TE's FusedAdam scales them)
+        precision_aware = dict(
+            use_precision_aware_optimizer=True,
+            main_params_dtype=_DTYPES[perf.main_params_dtype],
+            main_grads_dtype=_DTYPES[perf.main_grads_dtype],
+            exp_avg_dtype=_DTYPES[perf.exp_avg_dtype],
+            exp_avg_sq_dtype=_DTYPES[perf.exp_avg_sq_dtype],
+        )
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=t.lr,
+        min_lr=t.min_lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps,
+        clip_grad=t.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        use_distributed_optimizer=t.use_distributed_optimizer,
+        overlap_param_gather=perf.overlap_param_gather,
+        **precision_aware,
+    )
 
 
 def build_optimizer(cfg: TrainConfig, ddp: list) -> tuple[Any, Any]:
     """(megatron optimizer: AdamW with clipping, OptimizerParamScheduler counting samples)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     t = cfg.train
-    dtype, _ = precision_kwargs(cfg)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=t.lr,
-            min_lr=t.min_lr,
-            weight_decay=t.weight_decay,
-            adam_beta1=t.adam_beta1,
-            adam_beta2=t.adam_beta2,
-            adam_eps=t.adam_eps,
-            clip_grad=t.clip_grad,
-            bf16=dtype == torch.bfloat16,
-            params_dtype=dtype,
-            use_distributed_optimizer=t.use_distributed_optimizer,
-        ),
-        ddp,
-    )
+    optimizer = get_megatron_optimizer(optimizer_config(cfg), ddp)
     gbs = t.global_batch_size
     style = config_mod.MEGATRON_LR_STYLE[t.lr_schedule]
     scheduler = OptimizerParamScheduler(
@@ -289,6 +397,20 @@ def build_components(cfg: TrainConfig, world_size: int) -> Components:
     megatron_cpu.install()
     megatron_cpu.fix_torch_adam_checkpoint_load()
     initialize_model_parallel(cfg.parallel, seed=cfg.seed)
+    perf = resolved_perf(cfg)
+    if perf.cuda_graph_impl != "none":
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        # captured graphs need a graph-safe RNG tracker (megatron asserts it): TE's for TE graphs, megatron's
+        # graphable one for local graphs, as Megatron-LM's initialize does
+        model_parallel_cuda_manual_seed(
+            cfg.seed,
+            te_rng_tracker=perf.cuda_graph_impl == "transformer_engine",
+            use_cudagraphable_rng=perf.cuda_graph_impl == "local",
+            force_reset_rng=True,
+        )
+    if perf.cpu_line():
+        log(perf.cpu_line())  # once per run (global rank 0)
     chunks = build_model_chunks(cfg)
     ddp = wrap_ddp(cfg, chunks)
     optimizer, scheduler = build_optimizer(cfg, ddp)
@@ -296,5 +418,8 @@ def build_components(cfg: TrainConfig, world_size: int) -> Components:
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.grad_scale_func = optimizer.scale_loss
     tconfig.no_sync_func = [c.no_sync for c in ddp] if len(ddp) > 1 else ddp[0].no_sync
+    if ddp[0].ddp_config.overlap_grad_reduce:
+        # Megatron-LM's align_grad_reduce: the schedule launches each chunk's reduce when its last backward ends
+        tconfig.grad_sync_func = [c.start_grad_sync for c in ddp] if len(ddp) > 1 else ddp[0].start_grad_sync
     train_data, valid_data, data = build_data(cfg, layout)
     return Components(cfg, layout, chunks, ddp, optimizer, scheduler, train_data, valid_data, data)

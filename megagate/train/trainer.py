@@ -205,6 +205,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Checkpoint the current state (a collective call: every rank must make it)."""
+        parts.sync_params(self.ddp)  # overlapped parameter all-gather: the last update is not gathered yet
         data = self.components.data
         meta = {
             "consumed_samples": self.consumed_samples,

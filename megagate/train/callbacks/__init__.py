@@ -4,6 +4,7 @@ base.py      Callback: the hooks and their order
 metrics.py   MetricsLogger (config.yaml, metrics.jsonl, TensorBoard, console), RunSummary (summary.json)
 cadence.py   StopChecks (signals, wall time, exit_after_steps), Evaluation, Checkpointing
 monitor.py   FaultInjection, SpikeMonitoring (skip / rollback / lr_backoff / abort), LiveDiagnostics
+perf.py      ManualGC, Profiling (the perf section: perf.manual_gc_interval, perf.profile)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from megagate.train.callbacks.base import Callback
 from megagate.train.callbacks.cadence import Checkpointing, Evaluation, StopChecks, evaluate
 from megagate.train.callbacks.metrics import MetricsLogger, RunSummary
 from megagate.train.callbacks.monitor import FaultInjection, LiveDiagnostics, SpikeMonitoring
+from megagate.train.callbacks.perf import ManualGC, Profiling, perf_callbacks
 
 
 def default_callbacks(cfg: TrainConfig) -> list[Callback]:
@@ -32,7 +34,8 @@ def default_callbacks(cfg: TrainConfig) -> list[Callback]:
         callbacks.append(SpikeMonitoring(m.spike))
     if m.diagnostics.interval:
         callbacks.append(LiveDiagnostics(m.diagnostics.interval))
-    return callbacks + [Evaluation(), Checkpointing(), RunSummary()]
+    # the profiler's step ranges wrap only the step (before evaluation and checkpointing, which are not profiled)
+    return callbacks + perf_callbacks(cfg) + [Evaluation(), Checkpointing(), RunSummary()]
 
 
 __all__ = [
@@ -41,7 +44,9 @@ __all__ = [
     "Evaluation",
     "FaultInjection",
     "LiveDiagnostics",
+    "ManualGC",
     "MetricsLogger",
+    "Profiling",
     "RunSummary",
     "SpikeMonitoring",
     "StopChecks",

@@ -1,0 +1,140 @@
+"""Performance callbacks: manual garbage collection and the torch profiler (the `perf` config section).
+
+ManualGC   Python's collector off; `gc.collect()` on every rank at the same steps (perf.manual_gc_interval), so no
+           rank stalls alone in a collection while the others wait for it in a collective
+Profiling  a torch.profiler trace of global steps [start, end] on the chosen ranks (perf.profile), written to
+           <profile dir>/rank<R>.steps<A>-<B>.pt.trace.json (Chrome trace; TensorBoard's profiler plugin reads the
+           .pt.trace.json name), atomically; each step is a `megagate.step#N` range; NVTX ranges on GPU
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megagate.config import ProfileSection, TrainConfig
+from megagate.train.callbacks.base import Callback
+
+if TYPE_CHECKING:
+    from megagate.train.trainer import StepOutput, Trainer
+
+STEP_RANGE = "megagate.step#{}"  # the record_function name of one profiled step
+
+
+class ManualGC(Callback):
+    """Disable Python's collector for the run; collect every `interval` steps (Megatron-LM's --manual-gc)."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self._was_enabled = True
+
+    def on_start(self, trainer: Trainer) -> None:
+        self._was_enabled = gc.isenabled()
+        gc.disable()
+        gc.collect()  # start clean: what set-up left behind
+
+    def post_step(self, trainer: Trainer, output: StepOutput) -> None:
+        if output.step % self.interval == 0:
+            gc.collect()
+
+    def on_close(self, trainer: Trainer) -> None:
+        if self._was_enabled:
+            gc.enable()
+
+
+def trace_path(directory: str | os.PathLike, rank: int, steps: list[int]) -> Path:
+    """Where rank `rank`'s trace of `steps` goes."""
+    return Path(directory) / f"rank{rank}.steps{steps[0]}-{steps[1]}.pt.trace.json"
+
+
+class Profiling(Callback):
+    """torch.profiler over steps [start, end] on the ranks in `profile.ranks` (NVTX ranges as well if `nvtx`)."""
+
+    def __init__(self, profile: ProfileSection, directory: str, *, nvtx: bool) -> None:
+        assert profile.steps is not None
+        self.start, self.end = profile.steps
+        self.ranks = set(profile.ranks)
+        self.directory = directory
+        self.nvtx = nvtx and torch.cuda.is_available()
+        self._profiler: Any = None
+        self._emit_nvtx: Any = None
+        self._step_range: Any = None
+        self._last_step = 0
+
+    def _rank(self) -> int:
+        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        self._close_step()  # a step a restore() dropped never reached post_step
+        if step == self.start and self._profiler is None and self._rank() in self.ranks:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+            self._profiler.__enter__()
+            if self.nvtx:
+                self._emit_nvtx = torch.autograd.profiler.emit_nvtx()
+                self._emit_nvtx.__enter__()
+        if self._profiler is not None and self.start <= step <= self.end:
+            self._step_range = torch.profiler.record_function(STEP_RANGE.format(step))
+            self._step_range.__enter__()
+            if self.nvtx:
+                torch.cuda.nvtx.range_push(STEP_RANGE.format(step))
+            self._last_step = step
+
+    def post_step(self, trainer: Trainer, output: StepOutput) -> None:
+        self._close_step()
+        if self._profiler is not None and output.step >= self.end:
+            self._finish()
+
+    def on_close(self, trainer: Trainer) -> None:
+        # the run stopped inside the window: keep what was recorded
+        self._close_step()
+        if self._profiler is not None:
+            self._finish()
+
+    def _close_step(self) -> None:
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+            if self.nvtx:
+                torch.cuda.nvtx.range_pop()
+
+    def _finish(self) -> None:
+        if self.nvtx and self._emit_nvtx is not None:
+            self._emit_nvtx.__exit__(None, None, None)
+            self._emit_nvtx = None
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(None, None, None)
+        path = trace_path(self.directory, self._rank(), [self.start, min(self.end, self._last_step)])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # export_chrome_trace writes a file by name: write it beside the target, then rename (atomic)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            profiler.export_chrome_trace(tmp)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def perf_callbacks(cfg: TrainConfig) -> list[Callback]:
+    """The callbacks the perf section asks for on this machine."""
+    from megagate.perf import Device, resolve_perf
+
+    perf = resolve_perf(cfg, Device.detect())
+    callbacks: list[Callback] = []
+    if perf.manual_gc_interval:
+        callbacks.append(ManualGC(perf.manual_gc_interval))
+    profile = cfg.perf.profile
+    if profile.steps is not None:
+        directory = profile.dir or os.path.join(cfg.output.dir, "profile")
+        callbacks.append(Profiling(profile, directory, nvtx=perf.profile_nvtx))
+    return callbacks
