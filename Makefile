@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env demo test test-fast test-gpu check format clean
+.PHONY: env demo test test-fast test-gpu gpu-wheels check format clean
 
 env:
 	@bash tools/bootstrap_env.sh >/dev/null
@@ -18,6 +18,12 @@ test-fast: env
 
 test-gpu: env
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
+
+# megatron-core's wheel (the version requirements.txt pins) for tools/gpu_acceptance.sh on a machine without it
+gpu-wheels: env
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+		"$$(grep -E '^megatron-core==' requirements.txt | cut -d' ' -f1)"
 
 # Lint and formatting (ruff, pinned in requirements.txt); CI runs it before the tests.
 check: env
