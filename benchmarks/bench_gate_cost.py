@@ -23,7 +23,6 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import os
 import statistics
 import sys
 import time
@@ -31,8 +30,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from bench_train import quiet_stdout  # noqa: E402  (gloo prints a line per process group)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 FULL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4, head_dim=32, ffn_hidden_size=768)
@@ -149,20 +150,6 @@ def time_interleaved(pair: Pair, rounds: int, steps_per_round: int, warmup: int)
                 times.append(time.perf_counter() - start)
             per_round[name].append(statistics.median(times))
     return per_round
-
-
-@contextlib.contextmanager
-def quiet_stdout():
-    """Silence file descriptor 1 while models are built: gloo prints a line per process group from C++."""
-    sys.stdout.flush()
-    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
 
 
 def main(argv: list[str] | None = None) -> int:
