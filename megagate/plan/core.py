@@ -120,9 +120,14 @@ def _recompute(m: ModelConfig) -> str:
     return m.recompute_granularity or "none"
 
 
-def kernels_for(backend: str) -> mem.Kernels:
-    """The GPU kernel set of a train.backend ('auto' plans for Transformer Engine, the cluster default)."""
-    return mem.GPU_LOCAL if backend == "local" else mem.GPU_TE
+def kernels_for(backend: str, core_attention: str = "auto") -> mem.Kernels:
+    """The GPU kernel set of a train.backend ('auto' plans for Transformer Engine, the cluster default) and a
+    perf.core_attention: megatron's local attention keeps the [b, np, s, s] scores, TE's and SDPA's do not."""
+    if core_attention == "local":
+        return mem.GPU_LOCAL
+    if backend == "local":
+        return mem.GPU_SDPA
+    return mem.GPU_TE
 
 
 def plan(
@@ -142,7 +147,7 @@ def plan(
     dev = gpu if isinstance(gpu, Device) else device(gpu)
     layout = config_mod.layout(cfg, world_size)  # the trainer's own layout rules (one-line ConfigError)
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    k = kernels or kernels_for(t.backend)
+    k = kernels or kernels_for(t.backend, cfg.perf.core_attention)
     shape = RankShape(layout.tp, layout.pp, layout.vpp, layout.ep, layout.cp, layout.dp, layout.expert_dp)
     param_bytes = 4 if t.precision == "fp32" else 2
     opt_bytes = 8 if t.precision == "fp32" else 12  # Adam m, v (+ fp32 main params under bf16/fp8)

@@ -2,14 +2,17 @@
 
 Activations are an inventory of the tensors autograd keeps per layer (what `saved_tensors_hooks` sees), derived from
 megatron-core 0.19's modules and checked on CPU against a real forward of the local modules
-(tests/plan/test_activations.py). Two kernel sets:
+(tests/plan/test_activations.py). The kernel sets:
 
 * `CPU_LOCAL`: megatron's local modules as they run without CUDA (what the test measures): torch's composite RMSNorm
   keeps two fp32 copies of its input, attention is megatron's unfused DotProductAttention (scores [b, np, sq, sk]
   kept as fp32 softmax output and bf16 probabilities, GQA keys/values expanded to all heads), SwiGLU unfused;
 * `GPU_TE`: Transformer Engine / flash attention on a GPU: fused norms keep their input and fp32 1/rms, flash
   attention keeps q, k, v (KV heads only), its output and the fp32 log-sum-exp, megatron's fused SwiGLU keeps its input;
-* `GPU_LOCAL`: megatron's local modules on a GPU (no TE): fused norms, but the unfused attention of CPU_LOCAL.
+* `GPU_SDPA`: megatron's local modules on a GPU (no TE) with megagate's SDPA core attention (the default there): fused
+  norms, and torch's flash / cuDNN / memory-efficient attention keeps what flash attention keeps (as GPU_TE);
+* `GPU_LOCAL`: megatron's local modules on a GPU with its own core attention (perf.core_attention: local): fused
+  norms, but the unfused attention of CPU_LOCAL.
 
 Symbols: s = sequence / CP, b = micro-batch, h, np/ng = heads/KV groups per TP rank, d = head dim, f = FFN width per
 TP rank, a = bytes of an activation element (2 for bf16/fp8, 4 for fp32). With sequence parallelism the tensors in
@@ -37,6 +40,7 @@ class Kernels:
 CPU_LOCAL = Kernels("cpu-local", composite_norm=True, flash_attention=False, fused_swiglu=False)
 GPU_LOCAL = Kernels("gpu-local", composite_norm=False, flash_attention=False, fused_swiglu=True)
 GPU_TE = Kernels("gpu-te", composite_norm=False, flash_attention=True, fused_swiglu=True)
+GPU_SDPA = Kernels("gpu-sdpa", composite_norm=False, flash_attention=True, fused_swiglu=True)
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,19 @@ def test_15a2b_on_8x8_h100_fits_with_the_issue_figures() -> None:
 
 
 def test_without_te_the_unfused_scores_do_not_fit() -> None:
-    p = plan(_cfg("train.backend=local"), 64, "h100")
-    assert not p.fits
+    p = plan(_cfg("train.backend=local", "perf.core_attention=local"), 64, "h100")
+    assert p.kernels.name == "gpu-local" and not p.fits
     assert p.refusal().startswith("predicted out of memory: pipeline stage 0 needs 130.")
     assert "\n" not in p.refusal()
+
+
+def test_without_te_sdpa_is_planned_and_fits() -> None:
+    """Without TE the spec's default core attention is SDPA (flash-like: no [b, np, s, s] scores), so the same
+    15A2B layout that OOMs with megatron's local attention fits, within a GB of the TE plan."""
+    sdpa = plan(_cfg("train.backend=local"), 64, "h100")
+    te = plan(_cfg(), 64, "h100")
+    assert sdpa.kernels.name == "gpu-sdpa" and sdpa.fits
+    assert abs(sdpa.peak.total - te.peak.total) < 1 * GB
 
 
 def test_command_prints_every_stage(capsys) -> None:
@@ -66,10 +75,10 @@ def test_submit_dry_run_shows_the_plan_and_refuses_what_does_not_fit(capsys, mon
     assert cli.main(base) == 0
     out, err = capsys.readouterr()
     assert out.startswith("#!/bin/bash") and "memory plan:" in err and "-> fits" in err
-    assert cli.main([*base, "train.backend=local"]) == 2
+    assert cli.main([*base, "train.backend=local", "perf.core_attention=local"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "predicted out of memory" in err and "--ignore-memory-plan" in err
-    assert cli.main([*base, "train.backend=local", "--ignore-memory-plan"]) == 0
+    assert cli.main([*base, "train.backend=local", "perf.core_attention=local", "--ignore-memory-plan"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("#!/bin/bash") and "-> DOES NOT FIT: predicted out of memory" in err
 
