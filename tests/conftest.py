@@ -3,6 +3,7 @@
 import contextlib
 import os
 import signal
+import sys
 import uuid
 import warnings
 
@@ -29,6 +30,16 @@ _session_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 os.environ[SESSION_MARKER] = _session_id
 # the local Slurm cluster's daemons are stopped by their fixture; never count them as test leftovers
 _DAEMONS = {"slurmctld", "slurmd", "slurmdbd", "munged", "slurmstepd"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_moe_metrics_tracker():
+    """megatron's global MoE metrics tracker sizes its per-layer tensors by the first MoE model that records into
+    it; an in-process test with another layer count would then index past them. Each test starts without one."""
+    yield
+    logging_module = sys.modules.get("megatron.core.transformer.moe.moe_logging")
+    if logging_module is not None:
+        logging_module.destroy_moe_metrics_tracker()
 
 
 def _proc_table() -> dict[int, tuple[int, str]]:

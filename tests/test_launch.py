@@ -257,7 +257,7 @@ def test_gloo_group_from_srun_variables(tmp_path: Path) -> None:
         timeout = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
         json.dump({"rank": env.rank, "node": env.node_rank, "local": env.local_rank, "sum": t.item(),
                    "backend": dist.get_backend(), "source": env.source, "timeout": timeout,
-                   "alloc": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}, open(sys.argv[1], "w"))
+                   "alloc": os.environ.get("PYTORCH_ALLOC_CONF")}, open(sys.argv[1], "w"))
         dist.destroy_process_group()
         """
     )
@@ -274,7 +274,7 @@ def test_gloo_group_from_srun_variables(tmp_path: Path) -> None:
         )
         env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
         if rank == 3:
-            env["PYTORCH_CUDA_ALLOC_CONF"] = "garbage_collection_threshold:0.6"  # the user's own setting stays
+            env["PYTORCH_ALLOC_CONF"] = "garbage_collection_threshold:0.6"  # the user's own setting stays
         env.update(
             _srun_env(
                 SLURM_PROCID=str(rank),
@@ -319,8 +319,8 @@ def test_timeout_minutes_refuses(value: str) -> None:
 def test_allocator_defaults() -> None:
     env: dict[str, str] = {}
     set_allocator_defaults(env)
-    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # torch 2.9 reads either: the user's wins
+    assert env == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):  # torch 2.9 reads either: the user's wins
         env = {name: "expandable_segments:False"}
         set_allocator_defaults(env)
         assert env == {name: "expandable_segments:False"}

@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"gpu_acceptance: error: --out {str(args.out)!r}: {exc.strerror}", file=sys.stderr)
         return 2
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     path = args.out / "gpu_acceptance.json"
     result: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "smoke": smoke}
     result["environment"] = device_info()

@@ -20,6 +20,6 @@ if ! "$python" -c "import megatron.core" 2>/dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+[ -n "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ] || export PYTORCH_ALLOC_CONF=expandable_segments:True
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null || true
 exec timeout 470 "$python" tools/gpu_acceptance.py --out "$out_dir" "$@"

@@ -37,7 +37,7 @@ TIMEOUT_ENV = "MEGAGATE_DIST_TIMEOUT_MINUTES"
 DEFAULT_TIMEOUT_MINUTES = 30.0
 # Expandable segments let the caching allocator grow a segment instead of fragmenting memory across many (MoE and
 # variable-length batches allocate many differently sized blocks); the user's own setting always wins.
-ALLOC_ENV, ALLOC_DEFAULT = "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"
+ALLOC_ENV, ALLOC_DEFAULT = "PYTORCH_ALLOC_CONF", "expandable_segments:True"
 
 
 class LaunchError(MegagateError):
@@ -296,10 +296,11 @@ def distributed_timeout_minutes(environ: Mapping[str, str] | None = None) -> flo
 
 
 def set_allocator_defaults(environ: dict[str, str] | None = None) -> None:
-    """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the user set it (or torch's newer PYTORCH_ALLOC_CONF);
+    """PYTORCH_ALLOC_CONF=expandable_segments:True unless the user set it (or the older PYTORCH_CUDA_ALLOC_CONF, which
+    torch 2.9 still reads but warns about at exit);
     it takes effect only when set before CUDA initialises, so this runs before any CUDA call of the launch."""
     env = os.environ if environ is None else environ
-    if ALLOC_ENV not in env and "PYTORCH_ALLOC_CONF" not in env:
+    if ALLOC_ENV not in env and "PYTORCH_CUDA_ALLOC_CONF" not in env:
         env[ALLOC_ENV] = ALLOC_DEFAULT
 
 

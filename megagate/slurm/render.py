@@ -44,8 +44,9 @@ FABRIC_HINTS: tuple[tuple[str, str], ...] = (
 # Defaults that yield to the submitting shell's own value (sbatch exports it into the job).
 SOFT_ENV: tuple[tuple[str, str, str], ...] = (
     # The CUDA caching allocator grows segments instead of fragmenting memory across many: set before CUDA
-    # initialises (megagate.distributed.launch sets it too); torch 2.9 also reads PYTORCH_ALLOC_CONF.
-    ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", "PYTORCH_ALLOC_CONF"),
+    # initialises (megagate.distributed.launch sets it too). The older PYTORCH_CUDA_ALLOC_CONF (torch 2.9 reads
+    # it, with a deprecation warning at exit) counts as the user's setting too.
+    ("PYTORCH_ALLOC_CONF", "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF"),
 )
 
 STATE_SUBDIR = "slurm-state"

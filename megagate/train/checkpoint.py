@@ -293,7 +293,30 @@ def _sharded_state(model_chunks: list, optimizer: Any, optimizer_format: str, is
             # without CUDA, gather the fully-reshardable optimizer state over gloo onto DP rank 0
             metadata["distrib_optim_fully_reshardable_mem_efficient"] = True
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+        if not is_loading:
+            _zero_dp_reshardable_padding(state["optimizer"])
     return state
+
+
+def _zero_dp_reshardable_padding(sharded: Any) -> None:
+    """Zero the padding between parameters in dp-reshardable optimizer buckets, in place.
+
+    megatron fills that padding with `torch.empty`, so two identical runs wrote different bytes (seen: 1.7e38 in
+    exp_avg) and checkpoints could not be compared or deduplicated; the values are never read back as state."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+
+    if isinstance(sharded, dict):
+        flag = sharded.get("padding")
+        if isinstance(flag, LocalNonpersistentObject) and flag.unwrap() is True:
+            for value in sharded.values():
+                if isinstance(value, ShardedTensor):
+                    value.data.zero_()
+            return
+        for value in sharded.values():
+            _zero_dp_reshardable_padding(value)
+    elif isinstance(sharded, list):
+        for value in sharded:
+            _zero_dp_reshardable_padding(value)
 
 
 def saved_optimizer_format(optimizer: Any, requested: str) -> str:

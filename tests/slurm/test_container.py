@@ -98,7 +98,7 @@ def _allocator_after(section: str, **preset: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTORCH_CUDA_ALLOC", "PYTORCH_ALLOC"))}
     env.update(preset)
     out = subprocess.run(
-        ["bash", "-c", f'{section}\necho "${{PYTORCH_CUDA_ALLOC_CONF-<unset>}}"'],
+        ["bash", "-c", f'{section}\necho "${{PYTORCH_ALLOC_CONF-<unset>}}"'],
         env=env,
         capture_output=True,
         text=True,
@@ -111,9 +111,9 @@ def test_rendered_allocator_default_yields_to_the_user() -> None:
     request = SlurmRequest(nodes=1, gpus_per_node=8, job_name="alloc")
     section = _env_section(render_batch_script(request, ["-m", "megagate", "train"]))
     assert _allocator_after(section) == "expandable_segments:True"
-    assert _allocator_after(section, PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512") == "max_split_size_mb:512"
-    assert _allocator_after(section, PYTORCH_ALLOC_CONF="expandable_segments:False") == "<unset>"
+    assert _allocator_after(section, PYTORCH_ALLOC_CONF="max_split_size_mb:512") == "max_split_size_mb:512"
+    assert _allocator_after(section, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False") == "<unset>"
     # SlurmRequest.env names the variable: exactly what it says, set or unset
-    unset = SlurmRequest(nodes=1, gpus_per_node=8, job_name="alloc", env={"PYTORCH_CUDA_ALLOC_CONF": None})
+    unset = SlurmRequest(nodes=1, gpus_per_node=8, job_name="alloc", env={"PYTORCH_ALLOC_CONF": None})
     section = _env_section(render_batch_script(unset, ["-m", "megagate", "train"]))
-    assert _allocator_after(section, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True") == "<unset>"
+    assert _allocator_after(section, PYTORCH_ALLOC_CONF="expandable_segments:True") == "<unset>"
