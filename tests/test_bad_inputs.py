@@ -435,7 +435,7 @@ CASES = [
     C("plan-missing-config", "plan {work}/none.yaml --nodes 1", "none.yaml"),
     C(
         "submit-predicted-oom",
-        f"submit {MOE} --nodes 8 --gpus-per-node 8 --dry-run train.backend=local",
+        f"submit {MOE} --nodes 8 --gpus-per-node 8 --dry-run train.backend=local perf.core_attention=local",
         "predicted out of memory",
     ),
     C("submit-gpu", "submit {base} --nodes 1 --gpus-per-node 1 --gpu h999 --dry-run", "h999"),
