@@ -10,6 +10,7 @@ Pure functions of the config: the trainer's megatron configs are built from the 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,7 +51,11 @@ class Device:
 
     @classmethod
     def detect(cls) -> Device:
-        """This machine."""
+        """This machine (probed once per process: validation, the config builders and the callbacks all ask)."""
+        return _detected()
+
+    @classmethod
+    def _probe(cls) -> Device:
         import torch
 
         from megagate.model.spec import transformer_engine_available
@@ -68,6 +73,11 @@ class Device:
     def target(cls, cfg: TrainConfig) -> Device:
         """The GPU node a config is written for, judged anywhere: Transformer Engine unless backend local."""
         return cls(gpu=True, te=cfg.train.backend != "local")
+
+
+@functools.cache
+def _detected() -> Device:
+    return Device._probe()
 
 
 @dataclass(frozen=True)

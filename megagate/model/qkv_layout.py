@@ -134,13 +134,6 @@ def qkv_layout(gate: GateConfig, num_heads: int, num_groups: int, head_dim: int)
     )
 
 
-def split_rows(fused: torch.Tensor, layout: QkvLayout) -> dict[str, torch.Tensor]:
-    """Split a fused [rows, ...] tensor (weight or bias) into {segment: [ng, segment_rows, ...]}."""
-    grouped = fused.reshape(layout.num_groups, layout.rows_per_group, *fused.shape[1:])
-    names, sizes = zip(*layout.group_segments())
-    return dict(zip(names, torch.split(grouped, list(sizes), dim=1)))
-
-
 def convert_rows(src: torch.Tensor, src_keys: list[RowKey], dst_keys: list[RowKey]) -> torch.Tensor:
     """Reorder the rows of `src` (named by src_keys) into the order dst_keys names."""
     if len(src_keys) != src.shape[0]:

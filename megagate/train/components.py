@@ -125,14 +125,13 @@ def model_transformer_config(
 ) -> TransformerConfig:  # noqa: F821
     """The run's megatron TransformerConfig on `device` (default: this machine): model, parallel sizes, precision
     and the perf settings in force there."""
-    device = perf_mod.Device.detect() if device is None else device
     dtype, fp8 = precision_kwargs(cfg)
-    perf = perf_mod.resolve_perf(cfg, device)
+    perf = resolved_perf(cfg, device)
     return transformer_config(
         cfg.model,
         cfg.parallel,
         params_dtype=dtype,
-        use_cpu=not device.gpu,
+        use_cpu=not perf.device.gpu,
         **{**fp8, **perf_transformer_kwargs(cfg, perf), **extra},
     )
 
