@@ -136,7 +136,7 @@ def build_gpt_model(
         tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         core_attention=core_attention,
     )
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=block,
         vocab_size=model.vocab_size,
@@ -152,6 +152,11 @@ def build_gpt_model(
         rope_scaling_factor=model.rope_scaling_factor,
         vp_stage=vp_stage,
     )
+    if post_process:
+        from megagate.model.loss import use_local_cross_entropy
+
+        use_local_cross_entropy(gpt)  # TP = 1: torch's cross-entropy instead of three one-rank all-reduces
+    return gpt
 
 
 def meta_parameter_count(model: ModelConfig) -> int:

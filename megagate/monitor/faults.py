@@ -100,9 +100,14 @@ class FaultInjector:
         return batches
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.loss_factor(step)
+
+    def loss_factor(self, step: int) -> float:
+        """scale_loss: the factor of the loss the monitor sees at `step` (1 without a fault there)."""
+        factor = 1.0
         for fault in self._at(step, "scale_loss"):
-            loss = loss * fault.factor
-        return loss
+            factor *= fault.factor
+        return factor
 
     def lr_scale(self, step: int) -> float:
         scale = 1.0

@@ -1,7 +1,11 @@
 """Stop conditions: SIGTERM / SIGUSR1 (Slurm's warning, preemption) and a wall-time limit.
 
-Handlers only set a flag; the loop asks `should_stop()` once per step, which agrees across all ranks (a MAX
-all-reduce), so every rank checkpoints and exits at the same step.
+Handlers only set a flag; the loop asks `should_stop()` once per step, and every rank gets the same answer, so every
+rank checkpoints and exits at the same step. In a world of one process the answer is the local flag, at once. With
+more ranks the flags are combined by a MAX all-reduce over a CPU (gloo) group of their own, started without waiting
+(`async_op`) and read at the next check: no check blocks on a collective or reads a device value, and the stop
+comes one step later than the signal would stop a single process (docs/reliability.md: the measured latency).
+The wall-time margin counts that step too.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ class StopConditions:
         self.received: int | None = _early
         self.reason: str | None = None
         self._previous = {}
+        self._group = None  # the flags' gloo group (more than one rank), made at the first check
+        self._pending = None  # (work, flag) of the all-reduce started at the previous check
         if install_handlers:
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handler)
@@ -38,24 +44,68 @@ class StopConditions:
     def _handler(self, signum: int, frame: object) -> None:
         self.received = signum
 
-    def should_stop(self, step_time: float = 0.0) -> bool:
-        """True on every rank if any rank got a stop signal or would pass the wall-time limit within a step."""
-        local = 0
+    @property
+    def lag(self) -> int:
+        """Steps between a check that sees a local flag and the stop it causes (0 for one process, else 1)."""
+        import torch
+
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        return 0 if world == 1 else 1
+
+    def local(self, step_time: float = 0.0) -> int:
+        """This rank's flag: 2 on a signal, 1 near the wall-time limit (within the steps until a stop), else 0."""
         if self.received is not None:
-            local = 2
-        elif self.deadline is not None and time.monotonic() + 2 * step_time >= self.deadline:
-            local = 1
+            return 2
+        margin = (2 + self.lag) * step_time
+        if self.deadline is not None and time.monotonic() + margin >= self.deadline:
+            return 1
+        return 0
+
+    def should_stop(self, step_time: float = 0.0) -> bool:
+        """True on every rank, at the same check, once any rank had a stop flag (one check late with several
+        ranks: the answer is the all-reduce started at the previous check, which is started again now)."""
         import torch  # not at module level: install_early() runs before the seconds-long torch import
 
-        flag = torch.tensor([local], dtype=torch.int32)
-        if torch.distributed.is_initialized():
-            if torch.cuda.is_available():
-                flag = flag.cuda()
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        value = int(flag.item())
+        value = self.local(step_time)
+        if self.lag:
+            first = self._group is None
+            if first:
+                self._group = torch.distributed.new_group(backend="gloo")
+            decided = self._collect()
+            if not decided:
+                flag = torch.tensor([value], dtype=torch.int32)
+                work = torch.distributed.all_reduce(
+                    flag, op=torch.distributed.ReduceOp.MAX, group=self._group, async_op=True
+                )
+                self._pending = (work, flag)
+                # the first check of a launch waits: a signal during set-up stops every rank before step 1
+                decided = self._collect() if first else 0
+            value = decided
         if value:
             self.reason = "signal" if value == 2 else "wall-time limit"
         return bool(value)
+
+    def _collect(self, timeout: float | None = None) -> int:
+        if self._pending is None:
+            return 0
+        work, flag = self._pending
+        self._pending = None
+        if timeout is None:
+            work.wait()  # started a step ago: done by now unless a rank is a step behind
+        else:
+            import datetime
+
+            work.wait(datetime.timedelta(seconds=timeout))
+        return int(flag[0])  # a CPU tensor: no device read
+
+    def close(self) -> None:
+        """Finish the all-reduce started at the last check (every rank started one) and put the previous handlers
+        back. After an error on this rank the others may never check again: the wait is bounded."""
+        try:
+            self._collect(timeout=60.0)
+        except RuntimeError:
+            pass  # a rank that failed before the last check; the error that ended the run is what matters
+        self.restore()
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

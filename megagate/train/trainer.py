@@ -13,6 +13,11 @@ fault injection and live diagnostics are callbacks (megagate.train.callbacks) th
     forward_backward(...)      megatron's schedule over micro-batches (forward_only for evaluation)
 
 and, from pre_optim_step, on the `Update` it is given: `skip()` the update, `scale_lr(factor)` of this update.
+
+The step reads nothing on the host by itself: its loss and gradient norm stay on the device (megagate.train.
+step_values) until a callback asks for them (`update.loss`, `output.loss`: one read of every pending step, a
+collective call), the gradient norm is computed once for the callbacks and the clipping (megagate.train.optim_step),
+and the next step's micro-batches are read in a background thread while this one computes (megagate.data.prefetch).
 """
 
 from __future__ import annotations
@@ -27,11 +32,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megagate.config import TrainConfig
+from megagate.data.prefetch import StepPrefetcher
 from megagate.errors import MegagateError
 from megagate.train import checkpoint as ckpt
 from megagate.train import components as parts
 from megagate.train import resume as resume_checks
 from megagate.train.metrics import log
+from megagate.train.optim_step import OptimizerStep, skip_single_rank_gathers
+from megagate.train.step_values import HostReads, StepLog, StepValues
 
 if TYPE_CHECKING:
     from megagate.train.callbacks import Callback
@@ -42,15 +50,28 @@ class Update:
     """This step's update before it is applied (pre_optim_step): callbacks may veto it or scale its LR.
 
     `loss` and `grad_norm` are the global values (mean over micro-batches and data-parallel ranks; the norm after
-    the reduction), what callbacks judge the step by. A callback may replace them for the callbacks after it
-    (fault injection does); the logged values stay the computed ones.
+    the reduction), what callbacks judge the step by. They are read on the host when first asked for (one read per
+    step, a collective call: a callback that asks must ask on every rank); a callback that needs no decision before
+    the update should not ask. A callback may scale the loss the callbacks after it see (`scale_loss`: fault
+    injection does); the logged values stay the computed ones.
     """
 
     step: int
-    loss: float
-    grad_norm: float
+    values: StepValues
     lr_scale: float = 1.0
     skipped: bool = False
+
+    @property
+    def loss(self) -> float:
+        return self.values.seen_loss
+
+    @property
+    def grad_norm(self) -> float:
+        return self.values.grad_norm
+
+    def scale_loss(self, factor: float) -> None:
+        """The callbacks after this one judge the step by its loss x `factor` (no host read)."""
+        self.values.scale_seen_loss(factor)
 
     def skip(self) -> None:
         """Do not apply this update (weights and optimizer state stay as they are; the data moves on)."""
@@ -63,14 +84,21 @@ class Update:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What post_step callbacks see of a finished step."""
+    """What post_step callbacks see of a finished step (`loss`, `grad_norm`: read when asked, as on `Update`)."""
 
     step: int
-    loss: float  # global mean training loss, as computed
-    grad_norm: float  # global gradient norm before clipping
+    values: StepValues  # global mean training loss as computed, global gradient norm before clipping
     lr: float  # the LR of the update (after scale_lr)
-    step_time: float  # seconds, data loading included
+    step_time: float  # host seconds of the step, data included (on a GPU the device may still be running it)
     applied: bool  # False: the update was skipped (by a callback, or by the optimizer on non-finite gradients)
+
+    @property
+    def loss(self) -> float:
+        return self.values.loss
+
+    @property
+    def grad_norm(self) -> float:
+        return self.values.grad_norm
 
 
 class Trainer:
@@ -95,9 +123,16 @@ class Trainer:
         self.stop_reason: str | None = None
         self.error: BaseException | None = None
         self.summary: dict[str, Any] = {"steps": 0, "final_loss": None, "final_valid_loss": None, "stopped": None}
-        self.first_loss: float | None = None
-        self._data: Iterator[dict] | None = None
-        self._data_position = -1  # where self._data reads next
+        self.first_loss: float | None = None  # this launch's first step (read at the end)
+        self.side_time = 0.0  # seconds spent in evaluations and checkpoint saves (not in training steps)
+        self.reads = HostReads()  # every device value the trainer reads goes through it (counted)
+        self.step_log = StepLog(self.reads)  # the trained steps' loss and grad norm, on the device until read
+        self._optim = OptimizerStep(self.optimizer)
+        skip_single_rank_gathers(self.optimizer, self.ddp)  # DP = 1: no one-rank parameter all-gather per step
+        gbs = cfg.train.global_batch_size
+        self._prefetch = StepPrefetcher(
+            lambda position: parts.loader(cfg, components.train_data, position), self.layout.num_microbatches, gbs
+        )
         self._seek: int | None = None  # a data position asked for by seek(), taken when the next step reads
         self._restored = False
         tokenizer = None if components.data is None else components.data.tokenizer
@@ -125,8 +160,10 @@ class Trainer:
                 output = self.train_step(microbatches, start)
                 if output is not None:  # None: a callback restored a checkpoint instead
                     self._call("post_step", output)
+            self._read_summary()
             self._call("on_end")
         finally:
+            self._prefetch.close()
             self._call("on_close")
         if self.error is not None:
             raise self.error
@@ -138,13 +175,13 @@ class Trainer:
         for chunk in self.ddp:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss = self.forward_backward(microbatches, forward_only=False)
+        local_loss = self.forward_backward(microbatches, forward_only=False)
         self._call("post_backward", step)
         # Callbacks decide before anything is applied: gradients are reduced and their global norm is known.
         self.scheduler.step(increment=0)  # this update's LR from the schedule (a previous step may have scaled it)
-        self.optimizer.prepare_grads()
-        grad_norm = float(self.optimizer.get_grad_norm())
-        update = Update(step, loss, grad_norm)
+        found_inf, grad_norm = self._optim.prepare()  # the one norm of the step, on the device where megatron can
+        self.step_log.add(step, local_loss, grad_norm)
+        update = Update(step, StepValues(self.step_log, step))
         self._restored = False
         for cb in self.callbacks:
             cb.pre_optim_step(self, update)
@@ -153,16 +190,23 @@ class Trainer:
         if update.lr_scale != 1.0:
             for group in self.optimizer.param_groups:
                 group["lr"] *= update.lr_scale
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        lr = self.scheduler.get_lr(self.optimizer.param_groups[0]) * update.lr_scale  # a host number
         applied = False
-        if not update.skipped:
-            applied, _, _ = self.optimizer.step()  # prepares the same gradients again, clips and updates
+        if not update.skipped and not found_inf:
+            applied = self._optim.apply(grad_norm)  # clips by the same norm and updates
             if applied:
                 self.scheduler.step(increment=self.cfg.train.global_batch_size)
         self.step, self.consumed_samples = step, self.consumed_samples + self.cfg.train.global_batch_size
-        self.first_loss = loss if self.first_loss is None else self.first_loss
-        self.summary.update(steps=step, final_loss=loss)
-        return StepOutput(step, loss, grad_norm, lr, time.perf_counter() - start, applied)
+        self.summary["steps"] = step
+        return StepOutput(step, update.values, lr, time.perf_counter() - start, applied)
+
+    def _read_summary(self) -> None:
+        """The run summary's losses (a read of what is pending, on every rank) before the callbacks end the run."""
+        last = self.step_log.last()
+        if last is not None:
+            self.summary["final_loss"] = last[1].loss
+        if self.step_log.first is not None:
+            self.first_loss = self.step_log.first[1].loss
 
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
@@ -171,11 +215,8 @@ class Trainer:
     def _next_microbatches(self) -> list[dict]:
         if self._seek is not None:
             self.consumed_samples, self._seek = self._seek, None
-        if self._data is None or self._data_position != self.consumed_samples:
-            self._data = parts.loader(self.cfg, self.components.train_data, self.consumed_samples)
-        batches = [next(self._data) for _ in range(self.layout.num_microbatches)]
-        self._data_position = self.consumed_samples + self.cfg.train.global_batch_size
-        return batches
+        # the next step's batches are read while this one computes (unless this is the last step)
+        return self._prefetch.take(self.consumed_samples, prefetch_next=self.step + 2 <= self.cfg.train.train_steps)
 
     # --- generic operations for callbacks --------------------------------------------------------------------------
     @property
@@ -205,7 +246,16 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Checkpoint the current state (a collective call: every rank must make it)."""
+        start = time.perf_counter()
+        try:
+            return self._save_checkpoint()
+        finally:
+            self.side_time += time.perf_counter() - start
+
+    def _save_checkpoint(self) -> Path:
         parts.sync_params(self.ddp)  # overlapped parameter all-gather: the last update is not gathered yet
+        self.step_log.flush()  # callbacks that judge every step catch up before their state is saved
+        self._prefetch.settle()  # the data digest below reads the training set on this thread
         data = self.components.data
         meta = {
             "consumed_samples": self.consumed_samples,
@@ -244,7 +294,9 @@ class Trainer:
         self.scheduler.load_state_dict(meta["scheduler"])
         self.step, self.consumed_samples = int(meta["step"]), int(meta["consumed_samples"])
         self.summary["steps"] = self.step
-        self._data, self._seek = None, None
+        self.step_log.drop_after(self.step)
+        self._prefetch.reset()
+        self._seek = None
         return meta
 
     def _resume(self) -> None:
@@ -301,8 +353,9 @@ class Trainer:
         log(f"initialised the model from {path} (weights of step {meta.get('step')}; optimizer, schedule and data new)")
 
     # --- megatron's schedule ---------------------------------------------------------------------------------------
-    def forward_backward(self, microbatches: list[dict], forward_only: bool) -> float:
-        """megatron's forward(-backward) schedule over micro-batches; returns the global mean loss on every rank."""
+    def forward_backward(self, microbatches: list[dict], forward_only: bool) -> torch.Tensor:
+        """megatron's forward(-backward) schedule over micro-batches; this rank's mean loss over them, a 0-d float64
+        device tensor (zero off the last pipeline stage; step_values.global_losses makes it global)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         iterators = [iter(microbatches) for _ in self.ddp] if len(self.ddp) > 1 else iter(microbatches)
@@ -315,7 +368,7 @@ class Trainer:
             micro_batch_size=self.cfg.train.micro_batch_size,
             forward_only=forward_only,
         )
-        return _global_loss(results)
+        return _local_loss(results)
 
 
 def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -343,21 +396,13 @@ def _forward_step(data_iterator: Iterator[dict], model: Any) -> tuple[torch.Tens
     return output, partial(_loss_func, batch["loss_mask"])
 
 
-def _global_loss(results: list[dict]) -> float:
-    """Mean loss over micro-batches and data-parallel ranks, known on every rank afterwards."""
-    from megatron.core import parallel_state
-
-    value = torch.zeros(1, dtype=torch.float64)
-    if results:  # last pipeline stage
-        value[0] = sum(float(r["lm loss"]) for r in results) / len(results)
-    if torch.cuda.is_available():
-        value = value.cuda()
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        torch.distributed.all_reduce(value, group=parallel_state.get_data_parallel_group())
-        value /= parallel_state.get_data_parallel_world_size()
-    # the last stage holds it: share it along the pipeline (sum: other stages contribute zeros)
-    torch.distributed.all_reduce(value, group=parallel_state.get_pipeline_model_parallel_group())
-    return float(value.item())
+def _local_loss(results: list[dict]) -> torch.Tensor:
+    """This rank's mean loss over its micro-batches on the device (the last pipeline stage has results)."""
+    if results:
+        return torch.stack([r["lm loss"].reshape(()) for r in results]).double().mean()
+    return torch.zeros(
+        (), dtype=torch.float64, device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    )
 
 
 def train(

@@ -308,6 +308,7 @@ def test_dry_run_15a2b_prints_the_perf_settings(capsys):
 
 # --- the trainer's side: manual GC, profiler ---------------------------------------------------------------------
 def test_manual_gc_collects_every_n_steps():
+    from megagate.train.step_values import StepValues
     from megagate.train.trainer import StepOutput
 
     collections: list[int] = []
@@ -323,7 +324,7 @@ def test_manual_gc_collects_every_n_steps():
         assert not gc.isenabled()
         before = len(collections)
         for step in range(1, 8):
-            cb.post_step(None, StepOutput(step, 1.0, 1.0, 1e-3, 0.1, True))
+            cb.post_step(None, StepOutput(step, StepValues.of(1.0, 1.0), 1e-3, 0.1, True))
         assert len(collections) - before == 2  # steps 3 and 6
     finally:
         cb.on_close(None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,13 +12,15 @@ from megagate.train.callbacks.base import Callback
 from megagate.train.callbacks.metrics import MetricsLogger
 from megagate.train.metrics import log
 from megagate.train.signals import StopConditions
+from megagate.train.step_values import read_global_losses
 
 if TYPE_CHECKING:
     from megagate.train.trainer import StepOutput, Trainer
 
 
 def evaluate(trainer: Trainer) -> float:
-    """Mean validation loss over train.eval_iters global batches (the same batches every time)."""
+    """Mean validation loss over train.eval_iters global batches (the same batches every time); one host read."""
+    start = time.perf_counter()
     cfg = trainer.cfg
     data = parts.loader(cfg, trainer.components.valid_data, 0)
     for chunk in trainer.model:
@@ -29,7 +32,9 @@ def evaluate(trainer: Trainer) -> float:
             losses.append(trainer.forward_backward(batches, forward_only=True))
     for chunk in trainer.model:
         chunk.train()
-    return sum(losses) / len(losses)
+    values = read_global_losses(trainer.reads, losses)
+    trainer.side_time += time.perf_counter() - start  # not training time (MetricsLogger's step_time)
+    return sum(values) / len(values)
 
 
 class Evaluation(Callback):
@@ -105,11 +110,12 @@ class Checkpointing(Callback):
 
 class StopChecks(Callback):
     """Stops before a step on SIGTERM/SIGUSR1 (any rank), near train.wall_time_limit, or after
-    train.exit_after_steps steps of this launch; all ranks agree (megagate.train.signals)."""
+    train.exit_after_steps steps of this launch; all ranks agree (megagate.train.signals: with several ranks, one
+    step after the signal, without a blocking collective per step)."""
 
     def __init__(self) -> None:
         self.conditions: StopConditions | None = None
-        self.step_time = 0.0
+        self.step_time = 0.0  # host seconds of the last step
 
     def on_start(self, trainer: Trainer) -> None:
         self.conditions = StopConditions(trainer.cfg.train.wall_time_limit)
@@ -126,4 +132,4 @@ class StopChecks(Callback):
 
     def on_close(self, trainer: Trainer) -> None:
         if self.conditions is not None:
-            self.conditions.restore()
+            self.conditions.close()

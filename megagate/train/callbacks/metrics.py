@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from megagate.model.counts import flops_per_token
 from megagate.monitor import runfiles
 from megagate.train.callbacks.base import Callback
 from megagate.train.metrics import Metrics, log
+from megagate.train.step_values import stacked
 
 if TYPE_CHECKING:
     from megagate.train.trainer import StepOutput, Trainer
@@ -23,10 +27,18 @@ MOE_LOSS_NAMES = {
 
 class MetricsLogger(Callback):
     """Writes config.yaml, then a train line every logging.interval steps, the last step of the run and the step
-    a callback stopped it at. Owns the TensorBoard writer other callbacks log to (`writer`, None when off)."""
+    a callback stopped it at. Owns the TensorBoard writer other callbacks log to (`writer`, None when off).
+
+    Values are read on the host at those steps only (one read for every step since the last one); `step_time` is
+    the wall time since the last line per step, evaluations and checkpoint saves left out (on a GPU, what the
+    queue running ahead of the host really took: the read waits for it), and the MoE losses are means over the
+    same steps (megatron's tracker accumulates them on the device meanwhile).
+    """
 
     def __init__(self) -> None:
         self.metrics: Metrics | None = None
+        self._since: tuple[int, float, float] | None = None  # (step, perf_counter, trainer.side_time) at the last line
+        self._moe_steps = 0  # steps in megatron's MoE tracker since its last report
 
     @property
     def writer(self) -> Any:
@@ -53,14 +65,30 @@ class MetricsLogger(Callback):
             precision=t.precision,
         )
 
+    def on_step_start(self, trainer: Trainer, step: int) -> None:
+        if self._since is None or step <= self._since[0]:
+            # the first step, or one replayed after a restore: time (and MoE values) from here
+            self._since = (step - 1, time.perf_counter(), trainer.side_time)
+            if self._moe_steps:
+                _moe_tracker().clear()
+                self._moe_steps = 0
+
     def post_step(self, trainer: Trainer, output: StepOutput) -> None:
         cfg = trainer.cfg
+        step = output.step
+        self._moe_steps += 1
+        if step % cfg.logging.interval and step != cfg.train.train_steps and trainer.stop_reason is None:
+            return
         extra = {"skipped": float(not output.applied)}
         if cfg.model.is_moe:
-            extra.update(moe_metrics(trainer, output.step))  # collective, and resets megatron's tracker: every step
-        step = output.step
-        if step % cfg.logging.interval == 0 or step == cfg.train.train_steps or trainer.stop_reason is not None:
-            self.metrics.train_step(step, output.loss, output.lr, output.grad_norm, output.step_time, extra)
+            extra.update(moe_metrics(trainer, step, self._moe_steps))  # a collective; resets megatron's tracker
+            self._moe_steps = 0
+        loss, grad_norm = output.loss, output.grad_norm  # one read of every pending step (every rank: collective)
+        first, start, side = self._since
+        now = time.perf_counter()
+        step_time = (now - start - (trainer.side_time - side)) / max(step - first, 1)
+        self.metrics.train_step(step, loss, output.lr, grad_norm, step_time, extra)
+        self._since = (step, now, trainer.side_time)  # writing this line counts in the next interval
 
     def validation(self, step: int, loss: float) -> None:
         """A validation line (console, JSONL, TensorBoard)."""
@@ -72,15 +100,20 @@ class MetricsLogger(Callback):
             self.metrics.close()
 
 
-def moe_metrics(trainer: Trainer, step: int) -> dict[str, float]:
-    """This step's MoE load-balancing and z-loss (averaged over layers and micro-batches); a collective call."""
+def _moe_tracker() -> Any:
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
+    return get_moe_metrics_tracker()
+
+
+def moe_metrics(trainer: Trainer, step: int, steps: int = 1) -> dict[str, float]:
+    """The MoE load-balancing and z-loss of the last `steps` steps (means over layers, micro-batches and those
+    steps), and megatron's tracker reset; a collective call, one host read."""
     model = trainer.cfg.model
     names = [MOE_LOSS_NAMES[model.moe_load_balancing]] + (["z_loss"] if model.moe_z_loss_coeff else [])
     totals: dict[str, Any] = {}
-    get_moe_metrics_tracker().report(
-        loss_scale=1.0 / trainer.layout.num_microbatches,
+    _moe_tracker().report(
+        loss_scale=1.0 / (trainer.layout.num_microbatches * steps),
         iteration=step,
         track_names=names,
         force_initialize=True,
@@ -88,7 +121,11 @@ def moe_metrics(trainer: Trainer, step: int) -> dict[str, float]:
         moe_layer_freq=1,
         total_loss_dict=totals,
     )
-    return {f"moe_{name}": float(value) for name, value in totals.items()}
+    if not totals:
+        return {}
+    keys = list(totals)
+    values = trainer.reads.read(stacked([torch.as_tensor(totals[k]) for k in keys]))
+    return {f"moe_{name}": value for name, value in zip(keys, values)}
 
 
 class RunSummary(Callback):

@@ -4,7 +4,9 @@ The spike monitor callback owns every action: `skip` vetoes the update, `lr_back
 updates in its window, `rollback` restores the latest checkpoint and moves the data past the dropped window,
 `abort` vetoes the update and stops the run with an error (the final checkpoint and summary.json are written by
 the Checkpointing and RunSummary callbacks). It decides in pre_optim_step, once the global loss and gradient norm
-are known and before anything is applied.
+are known and before anything is applied: one host read per step. With `warn`, which decides nothing, it reads
+nothing itself: it judges each step when the trainer reads the step's values anyway (a logging step, a checkpoint,
+the end of the run), so its events may be written a few steps after their step (with their own step numbers).
 """
 
 from __future__ import annotations
@@ -39,15 +41,31 @@ class SpikeMonitoring(Callback):
     """`monitor.spike`: detection on the global loss and grad norm, events.jsonl, and the configured action."""
 
     state_key = "monitor"
+    DECIDING = ("skip", "rollback", "lr_backoff", "abort")  # actions that change the update: judged before it
 
     def __init__(self, config: SpikeMonitorConfig) -> None:
         self.monitor = SpikeMonitor(config)
         self.events: EventLog | None = None
+        self.deciding = config.action in self.DECIDING
+        self._summary: dict[str, Any] | None = None
 
     def on_start(self, trainer: Trainer) -> None:
         if trainer.logging_rank:
             self.events = EventLog(Path(trainer.cfg.output.dir) / runfiles.EVENTS, _writer(trainer))
         trainer.summary["spikes"] = self.monitor.num_events
+        self._summary = trainer.summary
+        if not self.deciding:
+            trainer.step_log.subscribe(self._observe_read)  # judged as the trainer reads the steps
+
+    def _observe_read(self, read: list) -> None:
+        for step, values in read:
+            self._record(self.monitor.observe(step, {"loss": values.seen_loss, "grad_norm": values.grad_norm}))
+
+    def _record(self, events: list) -> None:
+        if events and self.events is not None:
+            self.events.write(events)
+        if self._summary is not None:
+            self._summary["spikes"] = self.monitor.num_events
 
     def on_step_start(self, trainer: Trainer, step: int) -> None:
         # Rollbacks drop windows of batches (numbered by the step that reads them in an uninterrupted run). The data
@@ -60,11 +78,11 @@ class SpikeMonitoring(Callback):
             trainer.seek(trainer.consumed_samples + dropped * trainer.cfg.train.global_batch_size)
 
     def pre_optim_step(self, trainer: Trainer, update: Update) -> None:
+        if not self.deciding:
+            return
         step = update.step
-        events = self.monitor.observe(step, {"loss": update.loss, "grad_norm": update.grad_norm})
-        if events and self.events is not None:
-            self.events.write(events)
-        trainer.summary["spikes"] = self.monitor.num_events
+        events = self.monitor.observe(step, {"loss": update.loss, "grad_norm": update.grad_norm})  # the step's read
+        self._record(events)
         update.scale_lr(self.monitor.lr_scale(step))  # 1 outside a backoff window
         action = worst_action(events)
         if action == "skip":
@@ -121,7 +139,9 @@ class FaultInjection(Callback):
         self.injector.grads(step, [p for chunk in trainer.model for p in chunk.parameters()])
 
     def pre_optim_step(self, trainer: Trainer, update: Update) -> None:
-        update.loss = float(self.injector.loss(update.step, update.loss))
+        factor = self.injector.loss_factor(update.step)
+        if factor != 1.0:
+            update.scale_loss(factor)  # no host read: the callbacks after it read the scaled value if they judge
         update.scale_lr(self.injector.lr_scale(update.step))
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,242 @@
+"""What `megagate train` costs per step over a minimal hand-written loop on the same megatron model.
+
+    .venv/bin/python benchmarks/bench_loop_overhead.py [--shapes tiny hidden256] [--rounds 4] [--windows 4]
+
+Each round runs, in an order alternating every round, two processes on the same config (examples/tiny_cpu.yaml
+and the overrides of the shape; evaluation off, no checkpoint but the final one):
+
+  megagate  `python -m megagate train ...`: the whole trainer (megatron's schedule, DDP, DistributedOptimizer,
+            every default callback: stop checks, metrics, spike monitor (warn), checkpoint cadence);
+  plain     the minimal megatron loop of this file (`--worker plain`): the same GPTModel built by megagate's
+            set-up (same weights, same loss function), the same data loader read synchronously, a Python loop
+            over the micro-batches with `loss.backward()`, torch.nn.utils.clip_grad_norm_, torch.optim.AdamW
+            (megatron's weight-decay groups) and megatron's OptimizerParamScheduler (same LR schedule).
+
+Both read the loss on the host every `--interval` steps (megagate: its logging interval) and time windows of that
+many steps, ended by that read: the window's mean step time, data loading included. The first `--warmup`
+windows of each process are not counted. Reported per shape: each process's median window, and the paired
+ratio megagate / plain per round (the two processes of a round ran within seconds of each other, so a machine
+that gets busier or quieter moves both alike): its median and its min..max over the rounds. The load average
+before and after is printed: on a shared machine, read the spread, not only the median.
+No assertions: this prints figures; README.md and docs/architecture.md keep the ones measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+CONFIG = str(REPO / "examples" / "tiny_cpu.yaml")
+SHAPES = {
+    "tiny": [],  # the demo's model: 2 layers, hidden 64, 4/2 heads x 16; 16 x 128 tokens per step
+    "hidden256": [
+        "model.hidden_size=256",
+        "model.num_attention_heads=8",
+        "model.num_query_groups=4",
+        "model.head_dim=32",
+        "model.ffn_hidden_size=768",
+    ],
+}
+
+
+def run_overrides(shape: str, steps: int, interval: int, out: str, data_dir: str) -> list[str]:
+    """The config both processes of a round train (examples/tiny_cpu.yaml + these)."""
+    return [
+        *SHAPES[shape],
+        f"train.train_steps={steps}",
+        "train.eval_interval=0",
+        "train.eval_iters=1",
+        "checkpoint.interval=0",
+        f"logging.interval={interval}",
+        "logging.tensorboard=false",
+        f"data.demo_dir={data_dir}",
+        f"output.dir={out}",
+    ]
+
+
+# --- the plain loop --------------------------------------------------------------------------------------------
+def plain_loop(overrides: list[str], result: str) -> None:
+    """The minimal megatron loop; writes {"windows": [mean step seconds of each window], "losses": [...]}."""
+    import torch
+
+    from megagate import config as config_mod
+    from megagate.distributed import megatron_cpu, parallel
+    from megagate.train import components
+
+    cfg = config_mod.load(CONFIG, overrides)
+    t = cfg.train
+    layout = config_mod.layout(cfg, 1)
+    megatron_cpu.install()
+    with parallel.single_process(cfg.parallel, cfg.seed):
+        model = components.build_model_chunks(cfg)[0]  # the trainer's model, initialised the same way
+        train_data, _, _ = components.build_data(cfg, layout)
+        data = components.loader(cfg, train_data, 0)
+        decay = [p for name, p in model.named_parameters() if p.ndim > 1 and not name.endswith(".bias")]
+        no_decay = [p for name, p in model.named_parameters() if not (p.ndim > 1 and not name.endswith(".bias"))]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay}, {"params": no_decay, "wd_mult": 0.0}],
+            lr=t.lr,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_eps,
+            weight_decay=t.weight_decay,
+        )
+        scheduler = plain_scheduler(cfg, optimizer)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        n = layout.num_microbatches
+        interval = cfg.logging.interval
+        windows, losses = [], []
+        start = time.perf_counter()
+        for step in range(1, t.train_steps + 1):
+            optimizer.zero_grad(set_to_none=True)
+            total = torch.zeros((), device=device)
+            for _ in range(n):
+                batch = {k: v.to(device, non_blocking=True) for k, v in next(data).items()}
+                per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s]
+                mask = batch["loss_mask"].float()
+                loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1) / n
+                loss.backward()
+                total += loss.detach()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
+            optimizer.step()
+            scheduler.step(increment=t.global_batch_size)
+            if step % interval == 0:
+                losses.append(total.item())  # the host read of a logging step
+                now = time.perf_counter()
+                windows.append((now - start) / interval)
+                start = now
+    Path(result).write_text(json.dumps({"windows": windows, "losses": losses}))
+
+
+def plain_scheduler(cfg, optimizer):
+    """megatron's OptimizerParamScheduler with the trainer's arguments (megagate.train.components)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megagate import config as config_mod
+
+    t = cfg.train
+    gbs = t.global_batch_size
+    style = config_mod.MEGATRON_LR_STYLE[t.lr_schedule]
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=t.warmup_steps * gbs,
+        lr_decay_steps=t.train_steps * gbs,
+        lr_decay_style=style,
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=t.train_steps * gbs,
+        wd_incr_style="constant",
+        wsd_decay_steps=t.wsd_steps * gbs if style == "WSD" else None,
+        lr_wsd_decay_style="linear" if style == "WSD" else None,
+    )
+
+
+# --- the rounds ------------------------------------------------------------------------------------------------
+def child_env(threads: int) -> dict[str, str]:
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    return env
+
+
+def run_megagate(overrides: list[str], out: str, env: dict[str, str]) -> list[float]:
+    """`megagate train`; the step_time of its logged steps (the mean over each logging interval)."""
+    cmd = [sys.executable, "-m", "megagate", "train", "--config", CONFIG, *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [r["step_time"] for r in records if r["split"] == "train"]
+
+
+def run_plain(overrides: list[str], tmp: str, env: dict[str, str]) -> list[float]:
+    result = os.path.join(tmp, "plain.json")
+    cmd = [sys.executable, __file__, "--worker", result, "--", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"the plain loop failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return json.loads(Path(result).read_text())["windows"]
+
+
+def bench_shape(shape: str, args: argparse.Namespace, tmp: str) -> dict[str, list[float]]:
+    steps = args.interval * (args.warmup + args.windows)
+    env = child_env(args.threads)
+    medians: dict[str, list[float]] = {"megagate": [], "plain": []}
+    for r in range(args.rounds):
+        order = ["megagate", "plain"] if r % 2 == 0 else ["plain", "megagate"]
+        for kind in order:
+            out = os.path.join(tmp, f"{shape}-{kind}-{r}")
+            over = run_overrides(shape, steps, args.interval, out, args.data_dir)
+            windows = run_megagate(over, out, env) if kind == "megagate" else run_plain(over, tmp, env)
+            if len(windows) != args.warmup + args.windows:
+                raise SystemExit(f"{kind}: {len(windows)} timed windows, expected {args.warmup + args.windows}")
+            medians[kind].append(statistics.median(windows[args.warmup :]))
+        ratio = medians["megagate"][-1] / medians["plain"][-1]
+        print(
+            f"  round {r + 1}: megagate {medians['megagate'][-1] * 1e3:7.2f} ms/step, "
+            f"plain {medians['plain'][-1] * 1e3:7.2f} ms/step, ratio {ratio:.3f}",
+            flush=True,
+        )
+    return medians
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--rounds", type=int, default=4, help="paired rounds per shape (2 processes each)")
+    parser.add_argument("--interval", type=int, default=10, help="steps per timed window (the logging interval)")
+    parser.add_argument("--windows", type=int, default=4, help="timed windows per process")
+    parser.add_argument("--warmup", type=int, default=1, help="windows per process not counted")
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of both processes")
+    parser.add_argument("--data-dir", default=str(REPO / "runs" / "demo-data"), help="demo corpus cache")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run the plain loop, write this file
+    args, rest = parser.parse_known_args()
+    if args.worker:
+        plain_loop([a for a in rest if a != "--"], args.worker)
+        return 0
+    if args.rounds < 1 or args.windows < 1 or args.interval < 1 or args.warmup < 0:
+        parser.error("--rounds, --windows and --interval must be >= 1, --warmup >= 0")
+    from megagate.data.demo import prepare_demo_data
+
+    prepare_demo_data(args.data_dir, 2048, 1_500_000)  # examples/tiny_cpu.yaml's corpus, built before timing
+    load = os.getloadavg()
+    print(
+        f"{args.rounds} paired rounds per shape; {args.windows} windows of {args.interval} steps per process after "
+        f"{args.warmup} warm-up window(s); OMP_NUM_THREADS={args.threads}; {os.cpu_count()} CPUs, "
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+        flush=True,
+    )
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in args.shapes:
+            print(f"== {shape}", flush=True)
+            medians = bench_shape(shape, args, tmp)
+            ratios = [a / b for a, b in zip(medians["megagate"], medians["plain"])]
+            rows.append((shape, medians, ratios))
+    load = os.getloadavg()
+    print(f"\nload average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    header = f"{'shape':10s} {'megagate ms/step':>17s} {'plain ms/step':>14s} {'paired ratio (min..max)':>24s}"
+    print(header + "\n" + "-" * len(header))
+    for shape, medians, ratios in rows:
+        print(
+            f"{shape:10s} {statistics.median(medians['megagate']) * 1e3:>17.2f} "
+            f"{statistics.median(medians['plain']) * 1e3:>14.2f} "
+            f"{statistics.median(ratios):>12.3f} ({min(ratios):.3f}..{max(ratios):.3f})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
