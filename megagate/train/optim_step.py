@@ -11,9 +11,14 @@ which is ChainedOptimizer.step without its second norm. With Transformer Engine'
 stays a device tensor (no host synchronisation); without them megatron returns a float. Parameters in one of
 megatron's separate gradient-norm groups (multi-token prediction) take megatron's whole step instead.
 
-`skip_single_rank_gathers` drops, at data-parallel size 1, the parameter all-gather a DistributedOptimizer issues
-after every update: on a one-rank group it copies the buffer onto itself (megatron's `_defer_param_sync` switch,
-the one its chained optimizer uses to postpone the same gather).
+Two copies of the DistributedOptimizer that move nothing are dropped where megatron's own switches or a checked
+aliasing allow it:
+  * `skip_single_rank_gathers`: at data-parallel size 1, the parameter all-gather after every update, which on a
+    one-rank group copies the buffer onto itself (megatron's `_defer_param_sync` switch, the one its chained
+    optimizer uses to postpone the same gather);
+  * `skip_self_copies`: with float32 parameters the optimizer's main shards are views of the model's parameter
+    buffer, so "copy main params to model params" copies every shard onto itself; where every shard is checked to
+    be the very memory it would be copied to, the copy is skipped (checked again after every checkpoint load).
 """
 
 from __future__ import annotations
@@ -105,3 +110,49 @@ def skip_single_rank_gathers(optimizer: Any, ddp: list) -> bool:
     for part in parts:
         part._defer_param_sync = True
     return bool(parts)
+
+
+def _self_copy_targets(part: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """(main shard, the buffer range megatron copies it to) of every float32 parameter; None where megatron's
+    copy does more than copy float32 shards (half-precision or quantized parameters, FSDP, precision-aware)."""
+    cfg, ddp = part.config, part.ddp_config
+    if getattr(part, "is_stub_optimizer", False) or cfg.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+        return None
+    if ddp.use_megatron_fsdp or ddp.fp8_param_gather or ddp.fp4_param_gather or cfg.reuse_grad_buf_for_mxfp8_param_ag:
+        return None
+    if any(group for group in part.model_float16_groups):
+        return None
+    pairs = []
+    for shard_group, model_group in zip(part.shard_fp32_groups, part.model_fp32_groups):
+        for shard, param in zip(shard_group, model_group):
+            world = part._get_model_param_range_map(param)["gbuf_world_in_bucket"]
+            gbuf, _, bucket = part.model_param_gbuf_map[param]
+            target = part.buffers[gbuf].buckets[bucket].param_data.view(-1)[world.start : world.end]
+            pairs.append((shard, target))
+    return pairs
+
+
+def skip_self_copies(optimizer: Any) -> int:
+    """Skip the main-to-model parameter copy of each DistributedOptimizer whose float32 shards all alias their
+    targets (same address, size and dtype); give the copy back to one where they no longer do. The number of
+    optimizers whose copy is skipped."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    skipped = 0
+    for part in _parts(optimizer):
+        if not isinstance(part, DistributedOptimizer):
+            continue
+        pairs = _self_copy_targets(part)
+        aliased = pairs is not None and all(
+            a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and a.dtype == b.dtype for a, b in pairs
+        )
+        if aliased:
+            part._copy_main_params_to_model_params = _no_copy  # the instance's: megatron's method stays for others
+            skipped += 1
+        elif "_copy_main_params_to_model_params" in vars(part):
+            del part._copy_main_params_to_model_params
+    return skipped
+
+
+def _no_copy() -> None:
+    """Every main shard is the model's own memory: nothing to copy."""

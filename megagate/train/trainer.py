@@ -38,7 +38,7 @@ from megagate.train import checkpoint as ckpt
 from megagate.train import components as parts
 from megagate.train import resume as resume_checks
 from megagate.train.metrics import log
-from megagate.train.optim_step import OptimizerStep, skip_single_rank_gathers
+from megagate.train.optim_step import OptimizerStep, skip_self_copies, skip_single_rank_gathers
 from megagate.train.step_values import HostReads, StepLog, StepValues
 
 if TYPE_CHECKING:
@@ -129,6 +129,7 @@ class Trainer:
         self.step_log = StepLog(self.reads)  # the trained steps' loss and grad norm, on the device until read
         self._optim = OptimizerStep(self.optimizer)
         skip_single_rank_gathers(self.optimizer, self.ddp)  # DP = 1: no one-rank parameter all-gather per step
+        skip_self_copies(self.optimizer)  # fp32: the main shards are the parameters, nothing to copy back
         gbs = cfg.train.global_batch_size
         self._prefetch = StepPrefetcher(
             lambda position: parts.loader(cfg, components.train_data, position), self.layout.num_microbatches, gbs
@@ -296,6 +297,7 @@ class Trainer:
         self.summary["steps"] = self.step
         self.step_log.drop_after(self.step)
         self._prefetch.reset()
+        skip_self_copies(self.optimizer)  # a load may have given the optimizer new tensors: check the aliasing again
         self._seek = None
         return meta
 

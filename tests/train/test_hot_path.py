@@ -203,10 +203,18 @@ def test_one_gradient_norm_per_step_and_megatrons_update(megatron_world, tmp_pat
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
             calls[name] = calls.get(name, 0) + 1
+            if name == "copy_" and args[0].data_ptr() == args[1].data_ptr():
+                calls["copy onto itself"] = calls.get("copy onto itself", 0) + 1
             return func(*args, **(kwargs or {}))
+
+    from megagate.train.optim_step import skip_self_copies
 
     ours, theirs = _trainer(tmp_path / "ours"), _trainer(tmp_path / "theirs")
     assert all(p._defer_param_sync for p in ours.optimizer.chained_optimizers)  # the one-rank gather is off
+    assert skip_self_copies(ours.optimizer) == 1  # fp32: every main shard is its parameter's own memory
+    for part in theirs.optimizer.chained_optimizers:  # megatron's step, with its copies and its gather
+        del part._copy_main_params_to_model_params
+        part._defer_param_sync = False
     grads = len([p for chunk in ours.model for p in chunk.parameters() if p.requires_grad])
     for step in (1, 2):
         batches = _batches(2, step)
@@ -215,6 +223,7 @@ def test_one_gradient_norm_per_step_and_megatrons_update(megatron_world, tmp_pat
         # megatron's multi-tensor norm without Transformer Engine: one norm per gradient and one over those norms
         assert calls.get("linalg_vector_norm") == grads + 1, (calls.get("linalg_vector_norm"), grads)
         assert "allgather_into_tensor_coalesced_" not in calls and "_allgather_base_" not in calls
+        assert "copy onto itself" not in calls  # megatron's step copies every float32 shard onto itself
         calls.clear()
         # megatron's own sequence: prepare, norm (for the callbacks), then step() (prepare, norm, clip, update)
         for chunk in theirs.ddp:
@@ -224,7 +233,10 @@ def test_one_gradient_norm_per_step_and_megatrons_update(megatron_world, tmp_pat
         theirs.scheduler.step(increment=0)
         theirs.optimizer.prepare_grads()
         norm = theirs.optimizer.get_grad_norm()
-        applied, _, _ = theirs.optimizer.step()
+        with Count():
+            applied, _, _ = theirs.optimizer.step()
+        assert calls.pop("copy onto itself") == grads and calls.pop("linalg_vector_norm") == grads + 1
+        calls.clear()
         theirs.scheduler.step(increment=theirs.cfg.train.global_batch_size)
         theirs.step += 1
         assert applied and output.applied
