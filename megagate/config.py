@@ -371,7 +371,7 @@ def validate(cfg: TrainConfig, *, environment: bool = True) -> None:
         raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
     if environment:
         # where the run writes: a file in the way or a read-only folder would fail after the model is built
-        from megagate.data.indexed import check_writable_dir
+        from megagate.files import check_writable_dir
 
         for key, path in (
             ("output.dir", cfg.output.dir),

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megagate.errors import MegagateError
+from megagate.files import write_atomic
 from megagate.monitor import aggregate, report_plots, runfiles
 from megagate.monitor.replay import replay_events
 from megagate.monitor.spike import SpikeMonitorConfig
@@ -349,7 +350,7 @@ def report(
     if tolerance < 0:
         raise MegagateError(f"--spike-tolerance {tolerance} must be >= 0 steps")
     if out_dir is not None:  # refuse an unusable --out before reading anything
-        from megagate.data.indexed import check_writable_dir
+        from megagate.files import check_writable_dir
 
         check_writable_dir(out_dir, "--out")
     results = [load_run(p, rule, tolerance, replay) for p in find_runs(run_dirs)]
@@ -380,5 +381,5 @@ def report(
             "events.jsonl (as logged)" if replay is None else {"replayed_with": replay.to_dict()}
         )
         runfiles.write_json(out / "aggregate.json", record)
-        runfiles.write_atomic(out / "report.txt", text + "\n")
+        write_atomic(out / "report.txt", text + "\n")
     return text

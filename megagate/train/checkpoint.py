@@ -40,6 +40,7 @@ import torch
 
 from megagate.distributed import megatron_cpu
 from megagate.errors import MegagateError
+from megagate.files import publish_dir
 from megagate.train import safe_files
 
 _NAME = re.compile(r"^iter_(\d{7})$")
@@ -496,9 +497,8 @@ class Checkpointer:
                     json.dump(manifest, f, indent=1)
                     f.flush()
                     os.fsync(f.fileno())
-                if final.exists():  # a re-save of the same step (e.g. stop request right after an interval save)
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
+                # a re-save of the same step (e.g. stop request right after an interval save) replaces it
+                publish_dir(tmp, final)
             except OSError as exc:
                 error = _os_message(exc)
         self._fail_if_any(error, tmp)

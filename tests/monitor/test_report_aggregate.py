@@ -23,6 +23,7 @@ from megagate import cli
 from megagate.commands import sweep
 from megagate.config import apply_overrides
 from megagate.errors import MegagateError
+from megagate.files import write_atomic
 from megagate.monitor import aggregate, report, runfiles
 from megagate.monitor.aggregate import CurveSpike, SpikeRule, curve_spikes, match_events
 from megagate.monitor.diagnostics import attention_logits, attention_stats
@@ -76,7 +77,7 @@ def diag(variant: str, seed: int, step: int) -> list[dict]:
 
 def write_run(run_dir: Path, overrides: list[str], qk: bool, variant: str, lr: float, seed: int) -> None:
     raw = apply_overrides(load_mapping(CONFIG), overrides)
-    runfiles.write_atomic(run_dir / runfiles.CONFIG, yaml.safe_dump(raw, sort_keys=False))
+    write_atomic(run_dir / runfiles.CONFIG, yaml.safe_dump(raw, sort_keys=False))
     final = final_loss(qk, variant, lr, seed)
     losses = curve(final, seed)
     events: list[int] = []

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import gc
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megagate.config import ProfileSection, TrainConfig
+from megagate.files import atomic_path
 from megagate.train.callbacks.base import Callback
 
 if TYPE_CHECKING:
@@ -112,17 +112,8 @@ class Profiling(Callback):
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
         path = trace_path(self.directory, self._rank(), [self.start, min(self.end, self._last_step)])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # export_chrome_trace writes a file by name: write it beside the target, then rename (atomic)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            profiler.export_chrome_trace(tmp)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with atomic_path(path) as tmp:  # export_chrome_trace writes a file by name
+            profiler.export_chrome_trace(str(tmp))
 
 
 def perf_callbacks(cfg: TrainConfig) -> list[Callback]:
