@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megagate"
 
 # Lowest first. A module may import from its own layer and the layers before it.
 LAYERS: list[tuple[str, ...]] = [
-    ("megagate", "megagate.errors"),
+    # the package root, errors, files, console and the rank helpers (torch only) may be imported by every layer
+    ("megagate", "megagate.errors", "megagate.distributed.utils"),
     ("megagate.model",),
     ("megagate.distributed",),
     ("megagate.data",),

@@ -168,6 +168,7 @@ def load_chunks(p: Prepared, opts: Options) -> list:
     """This rank's model chunk(s) of `p` in eval mode, its tensors loaded (resharded) from the checkpoint."""
     from megatron.core import parallel_state
 
+    from megagate.distributed.utils import gather_objects
     from megagate.model.build import build_gpt_model, transformer_config
     from megagate.train import checkpoint as ckpt
     from megagate.train.components import precision_kwargs, resolve_backend
@@ -192,7 +193,7 @@ def load_chunks(p: Prepared, opts: Options) -> list:
         ckpt.Checkpointer(p.path.parent).load(p.path, [chunk], None, same_layout=False)
     except Exception as exc:  # megatron raises CheckpointingException and others for a mismatched checkpoint
         error = " ".join(str(exc).split())[:300]
-    error = next((e for e in ckpt.gather_objects(error) if e), None)
+    error = next((e for e in gather_objects(error) if e), None)
     if error:
         raise MegagateError(f"cannot load the model from {str(p.path)!r}: {error}")
     chunk.eval()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +19,10 @@ import torch
 from megagate import config as config_mod
 from megagate import perf as perf_mod
 from megagate.config import Layout, TrainConfig
+from megagate.console import log
+from megagate.distributed.utils import rank0_first
 from megagate.errors import ConfigError
 from megagate.model.build import build_gpt_model, transformer_config
-from megagate.train.metrics import log
 
 
 @dataclass
@@ -281,7 +282,7 @@ def build_data(cfg: TrainConfig, layout: Layout) -> tuple[Any, Any, DataBuild]:
     if d.demo and not blend:
         from megagate.data.demo import prepare_demo_data
 
-        tokenizer, prefix = _rank0_first(lambda: prepare_demo_data(d.demo_dir, d.demo_vocab_size, d.demo_max_bytes))
+        tokenizer, prefix = rank0_first(lambda: prepare_demo_data(d.demo_dir, d.demo_vocab_size, d.demo_max_bytes))
         blend = [prefix]
     if tokenizer is not None:
         from megagate.data.tokenizer import load_tokenizer
@@ -325,18 +326,6 @@ def data_samples(cfg: TrainConfig) -> tuple[int, int]:
         return train_samples, valid_samples
     needed = int(saved["consumed_samples"]) + (t.train_steps - int(saved["step"])) * gbs
     return max(needed, int(built["train"])), max(valid_samples, int(built["valid"]))
-
-
-def _rank0_first(fn: Callable[[], Any]) -> Any:
-    """Run fn on global rank 0 first (it may build cached files), then on the others."""
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if rank == 0:
-        result = fn()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    if rank != 0:
-        result = fn()
-    return result
 
 
 def loader(cfg: TrainConfig, dataset: Any, consumed_samples: int) -> Iterator[dict]:

@@ -6,11 +6,12 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
+from megagate.console import log
 from megagate.files import write_atomic
 from megagate.model.counts import flops_per_token
 from megagate.monitor import runfiles
 from megagate.train.callbacks.base import Callback
-from megagate.train.metrics import Metrics, log
+from megagate.train.metrics import Metrics
 
 if TYPE_CHECKING:
     from megagate.train.trainer import StepOutput, Trainer

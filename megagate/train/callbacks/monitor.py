@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megagate.console import log
 from megagate.monitor import diagnostics, runfiles
 from megagate.monitor.events import EventLog
 from megagate.monitor.faults import Fault, FaultInjector
@@ -24,7 +25,6 @@ from megagate.train import checkpoint as ckpt
 from megagate.train import components as parts
 from megagate.train.callbacks.base import Callback
 from megagate.train.callbacks.metrics import MetricsLogger
-from megagate.train.metrics import log
 
 if TYPE_CHECKING:
     from megagate.train.trainer import StepOutput, Trainer, Update

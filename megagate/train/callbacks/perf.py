@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megagate.config import ProfileSection, TrainConfig
+from megagate.distributed.utils import get_rank
 from megagate.files import atomic_path
 from megagate.train.callbacks.base import Callback
 
@@ -66,12 +67,9 @@ class Profiling(Callback):
         self._step_range: Any = None
         self._last_step = 0
 
-    def _rank(self) -> int:
-        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
     def on_step_start(self, trainer: Trainer, step: int) -> None:
         self._close_step()  # a step a restore() dropped never reached post_step
-        if step == self.start and self._profiler is None and self._rank() in self.ranks:
+        if step == self.start and self._profiler is None and get_rank() in self.ranks:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -111,7 +109,7 @@ class Profiling(Callback):
             self._emit_nvtx = None
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
-        path = trace_path(self.directory, self._rank(), [self.start, min(self.end, self._last_step)])
+        path = trace_path(self.directory, get_rank(), [self.start, min(self.end, self._last_step)])
         with atomic_path(path) as tmp:  # export_chrome_trace writes a file by name
             profiler.export_chrome_trace(str(tmp))
 
