@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
+from megagate.analysis.analyze import SAMPLE_TEXT, analyze_model
 from megagate.errors import MegagateError
-from megagate.monitor.analyze import SAMPLE_TEXT, analyze_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

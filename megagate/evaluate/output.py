@@ -45,7 +45,7 @@ def table(results: dict[str, Any]) -> str:
 
 def plot(results: dict[str, Any], path: str | Path) -> Path:
     """Perplexity vs evaluated length (log-log), one line per checkpoint, one panel per dataset."""
-    from megagate.monitor import plotting
+    from megagate.analysis import plotting
 
     plt = plotting.pyplot()
     names = results["data"]

@@ -61,13 +61,13 @@ def check_out(out: str | os.PathLike, force: bool) -> Path:
 
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 def _run_config(path: Path) -> Any:
-    from megagate import config as config_mod
+    from megagate import config_reader
     from megagate.train import checkpoint as ckpt
 
     meta = ckpt.read_meta(path)
     if not isinstance(meta.get("config"), dict):
         raise MegagateError(f"checkpoint {str(path)!r}: {ckpt.META} has no run config")
-    return meta, config_mod.from_dict(meta["config"], environment=False)
+    return meta, config_reader.from_dict(meta["config"], environment=False)
 
 
 # Transformer Engine fuses the pre-attention and pre-MLP norms into the following linear layer; interop.hf takes
@@ -306,7 +306,7 @@ def build_model(model_cfg: Any, state: Mapping[str, torch.Tensor]) -> torch.nn.M
     """A megagate GPTModel at TP = PP = 1 (fp32, megatron's local modules) holding exactly `state` (strict)."""
     from megagate.distributed import megatron_cpu
     from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.model.config import ParallelConfig
+    from megagate.model.model_config import ParallelConfig
     from megagate.train.load import _ensure_single_process_world
 
     megatron_cpu.install()
@@ -445,7 +445,7 @@ def write_checkpoint(
     """
     import yaml
 
-    from megagate import config as config_mod
+    from megagate import config_reader
     from megagate.train import resume
 
     out = Path(out)
@@ -464,7 +464,7 @@ def write_checkpoint(
     train = dict(raw.get("train") or {})
     train.setdefault("seq_length", min(128, model_cfg.max_sequence_length))
     raw["train"] = train
-    cfg = config_mod.from_dict(raw, environment=False)  # the trainer's reader must accept what is saved
+    cfg = config_reader.from_dict(raw, environment=False)  # the trainer's reader must accept what is saved
     meta = {
         "consumed_samples": 0,
         "config": raw,

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 
 from helpers import tiny_model, trainer_jobs
+from megagate.analysis import analyze, report
 from megagate.commands import analyze as analyze_cmd
 from megagate.commands import sweep
 from megagate.errors import ConfigError, MegagateError
 from megagate.files import write_atomic
-from megagate.monitor import analyze, diagnostics, report, runfiles
+from megagate.monitor import diagnostics, runfiles
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

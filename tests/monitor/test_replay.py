@@ -6,11 +6,11 @@ import math
 
 import pytest
 
+from megagate.analysis.replay import parse_settings, replay_events
 from megagate.cli import main
 from megagate.errors import ConfigError, MegagateError
 from megagate.files import write_atomic
 from megagate.monitor import runfiles
-from megagate.monitor.replay import parse_settings, replay_events
 
 STEPS = 80
 

@@ -17,9 +17,9 @@ import torch
 from helpers import trainer_jobs
 from megagate.errors import ConfigError, MegagateError
 from megagate.monitor import runfiles
-from megagate.monitor.config import MonitorConfig
 from megagate.monitor.events import EventLog
 from megagate.monitor.faults import Fault, FaultInjector
+from megagate.monitor.settings import MonitorConfig
 from megagate.monitor.spike import (
     SpikeMonitor,
     SpikeMonitorConfig,
@@ -413,7 +413,7 @@ def test_event_log_jsonl_and_tensorboard(tmp_path):
 def test_replayed_monitor_equals_the_trainers_events(runs):
     """`megagate report --replay-monitor` replays the monitor over the logged curve: at the trainer's own settings it
     must give exactly the steps the trainer flagged (clean runs, and a run whose skipped step was NaN)."""
-    from megagate.monitor.replay import parse_settings, replay_events
+    from megagate.analysis.replay import parse_settings, replay_events
 
     flagged = 0
     for name in ("g1-elementwise@3e-3", "baseline@1e-2", "skip"):

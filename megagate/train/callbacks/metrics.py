@@ -11,7 +11,7 @@ from megagate.files import write_atomic
 from megagate.model.counts import flops_per_token
 from megagate.monitor import runfiles
 from megagate.train.callbacks.base import Callback
-from megagate.train.metrics import Metrics
+from megagate.train.metric_writer import Metrics
 
 if TYPE_CHECKING:
     from megagate.train.trainer import StepOutput, Trainer

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megagate.config import ProfileSection, TrainConfig
 from megagate.distributed.utils import get_rank
 from megagate.files import atomic_path
+from megagate.run_config import ProfileSection, TrainConfig
 from megagate.train.callbacks.base import Callback
 
 if TYPE_CHECKING:
@@ -116,9 +116,10 @@ class Profiling(Callback):
 
 def perf_callbacks(cfg: TrainConfig) -> list[Callback]:
     """The callbacks the perf section asks for on this machine."""
-    from megagate.perf import Device, resolve_perf
+    from megagate.machine import Machine
+    from megagate.perf import resolve_perf
 
-    perf = resolve_perf(cfg, Device.detect())
+    perf = resolve_perf(cfg, Machine.detect())
     callbacks: list[Callback] = []
     if perf.manual_gc_interval:
         callbacks.append(ManualGC(perf.manual_gc_interval))
