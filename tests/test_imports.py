@@ -23,9 +23,10 @@ LAYERS: list[tuple[str, ...]] = [
     # the run config and what it resolves to: the typed tree, the machine, the perf settings, the rules, the reader
     ("megagate.run_config", "megagate.machine", "megagate.perf", "megagate.config_rules", "megagate.config_reader"),
     ("megagate.plan",),
+    ("megagate.checkpoint",),  # the checkpoint format: naming, manifest, safe loading, the Checkpointer
     ("megagate.train",),
     ("megagate.evaluate",),
-    # hf / hf_config / hf_weights import only megagate.model; hf_io reads and writes checkpoints (megagate.train)
+    # hf / hf_config / hf_weights import only megagate.model; hf_io reads and writes checkpoints
     ("megagate.interop",),
     ("megagate.slurm",),
     ("megagate.commands", "megagate.cli", "megagate.__main__"),

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megagate import checkpoint as ckpt
 from megagate.console import log
 from megagate.errors import MegagateError
 from megagate.run_config import TrainConfig
-from megagate.train import checkpoint as ckpt
 from megagate.train import components as parts
 from megagate.train import resume as resume_checks
 

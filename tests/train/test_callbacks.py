@@ -52,7 +52,7 @@ def test_hook_order_and_a_restore_that_drops_the_step(hook_run: trainer_jobs.Run
 
 @pytest.mark.slow
 def test_callback_state_is_in_every_checkpoint(hook_run: trainer_jobs.Run) -> None:
-    from megagate.train import checkpoint
+    from megagate import checkpoint
 
     final = checkpoint.read_meta(checkpoint.latest(hook_run.dir / "checkpoints"))
     # saved by Checkpointing.on_end, before the test callback's own on_end and on_close

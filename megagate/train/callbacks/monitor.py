@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megagate import checkpoint as ckpt
 from megagate.console import log
 from megagate.monitor import diagnostics, runfiles
 from megagate.monitor.events import EventLog
 from megagate.monitor.faults import Fault, FaultInjector
 from megagate.monitor.spike import SpikeAbort, SpikeMonitor, SpikeMonitorConfig, worst_action
-from megagate.train import checkpoint as ckpt
 from megagate.train import components as parts
 from megagate.train.callbacks.base import Callback
 from megagate.train.callbacks.metrics import MetricsLogger
