@@ -69,13 +69,13 @@ def plain_loop(overrides: list[str], result: str) -> None:
     """The minimal megatron loop; writes {"windows": [mean step seconds of each window], "losses": [...]}."""
     import torch
 
-    from megagate import config as config_mod
+    from megagate import config_reader, run_config
     from megagate.distributed import megatron_cpu, parallel
     from megagate.train import components
 
-    cfg = config_mod.load(CONFIG, overrides)
+    cfg = config_reader.load(CONFIG, overrides)
     t = cfg.train
-    layout = config_mod.layout(cfg, 1)
+    layout = run_config.layout(cfg, 1)
     megatron_cpu.install()
     with parallel.single_process(cfg.parallel, cfg.seed):
         model = components.build_model_chunks(cfg)[0]  # the trainer's model, initialised the same way
@@ -121,11 +121,11 @@ def plain_scheduler(cfg, optimizer):
     """megatron's OptimizerParamScheduler with the trainer's arguments (megagate.train.components)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megagate import config as config_mod
+    from megagate import run_config
 
     t = cfg.train
     gbs = t.global_batch_size
-    style = config_mod.MEGATRON_LR_STYLE[t.lr_schedule]
+    style = run_config.MEGATRON_LR_STYLE[t.lr_schedule]
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,

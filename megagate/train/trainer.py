@@ -24,81 +24,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from megagate.config import TrainConfig
+from megagate import checkpoint as ckpt
+from megagate.console import log
 from megagate.data.prefetch import StepPrefetcher
 from megagate.errors import MegagateError
-from megagate.train import checkpoint as ckpt
+from megagate.run_config import TrainConfig
 from megagate.train import components as parts
 from megagate.train import resume as resume_checks
-from megagate.train.metrics import log
+from megagate.train.callbacks.base import Callback, StepOutput, Update, in_priority_order
 from megagate.train.optim_step import OptimizerStep, skip_self_copies, skip_single_rank_gathers
 from megagate.train.step_values import HostReads, StepLog, StepValues
-
-if TYPE_CHECKING:
-    from megagate.train.callbacks import Callback
-
-
-@dataclass
-class Update:
-    """This step's update before it is applied (pre_optim_step): callbacks may veto it or scale its LR.
-
-    `loss` and `grad_norm` are the global values (mean over micro-batches and data-parallel ranks; the norm after
-    the reduction), what callbacks judge the step by. They are read on the host when first asked for (one read per
-    step, a collective call: a callback that asks must ask on every rank); a callback that needs no decision before
-    the update should not ask. A callback may scale the loss the callbacks after it see (`scale_loss`: fault
-    injection does); the logged values stay the computed ones.
-    """
-
-    step: int
-    values: StepValues
-    lr_scale: float = 1.0
-    skipped: bool = False
-
-    @property
-    def loss(self) -> float:
-        return self.values.seen_loss
-
-    @property
-    def grad_norm(self) -> float:
-        return self.values.grad_norm
-
-    def scale_loss(self, factor: float) -> None:
-        """The callbacks after this one judge the step by its loss x `factor` (no host read)."""
-        self.values.scale_seen_loss(factor)
-
-    def skip(self) -> None:
-        """Do not apply this update (weights and optimizer state stay as they are; the data moves on)."""
-        self.skipped = True
-
-    def scale_lr(self, factor: float) -> None:
-        """Multiply this update's LR (from the schedule) by `factor`; factors of several callbacks multiply."""
-        self.lr_scale *= factor
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """What post_step callbacks see of a finished step (`loss`, `grad_norm`: read when asked, as on `Update`)."""
-
-    step: int
-    values: StepValues  # global mean training loss as computed, global gradient norm before clipping
-    lr: float  # the LR of the update (after scale_lr)
-    step_time: float  # host seconds of the step, data included (on a GPU the device may still be running it)
-    applied: bool  # False: the update was skipped (by a callback, or by the optimizer on non-finite gradients)
-
-    @property
-    def loss(self) -> float:
-        return self.values.loss
-
-    @property
-    def grad_norm(self) -> float:
-        return self.values.grad_norm
 
 
 class Trainer:
@@ -110,7 +51,7 @@ class Trainer:
         self.layout = components.layout
         self.model, self.ddp = components.model, components.ddp
         self.optimizer, self.scheduler = components.optimizer, components.scheduler
-        self.callbacks = list(callbacks)
+        self.callbacks = in_priority_order(callbacks)
         keys = [cb.state_key for cb in self.callbacks if cb.state_key]
         if len(keys) != len(set(keys)):
             raise MegagateError(f"two callbacks share a checkpoint state key: {sorted(keys)}")
@@ -274,6 +215,7 @@ class Trainer:
         }
         path = self.checkpointer.save(self.step, self.model, self.optimizer, meta)
         log(f"saved checkpoint {path}")
+        self._call("post_checkpoint_saved", path, self.step)
         return path
 
     def restore(self, path: Path) -> dict[str, Any]:
@@ -413,7 +355,8 @@ def train(
     callbacks: Sequence[Callback] | None = None,
     extra_callbacks: Sequence[Callback] = (),
 ) -> dict[str, Any]:
-    """Build the run's components and train them (`callbacks`: default_callbacks(cfg), then `extra_callbacks`)."""
+    """Build the run's components and train them (`callbacks`: default_callbacks(cfg), plus `extra_callbacks`; all
+    run in priority order)."""
     from megagate.train.callbacks import default_callbacks
 
     components = parts.build_components(cfg, world_size)

@@ -88,7 +88,7 @@ def worker(rank: int, world: int, runs: dict[str, list[str]], out: str, demo_dir
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
-    from megagate import config as config_mod
+    from megagate import config_reader
     from megagate.train.trainer import train
 
     results = {}
@@ -96,7 +96,9 @@ def worker(rank: int, world: int, runs: dict[str, list[str]], out: str, demo_dir
         signals = [x for x in items if x.startswith("signal_at=")]
         overrides = [x for x in items if x not in signals]
         signal_at = tuple(int(v) for v in signals[0].split("=")[1].split(",")) if signals else None
-        cfg = config_mod.load(str(CONFIG), [*BASE, *overrides, f"data.demo_dir={demo_dir}", f"output.dir={out}/{name}"])
+        cfg = config_reader.load(
+            str(CONFIG), [*BASE, *overrides, f"data.demo_dir={demo_dir}", f"output.dir={out}/{name}"]
+        )
         extra, seen = _callbacks(signal_at)
         summary = train(cfg, world, extra_callbacks=extra)
         parallel_state.destroy_model_parallel()

@@ -154,12 +154,12 @@ def test_prefetcher_raises_a_loader_error_where_the_step_needs_the_data():
 
 # --- the optimizer step: one norm, the same update ------------------------------------------------------------------
 def _trainer(out: Path):
-    from megagate import config as config_mod
+    from megagate import config_reader, run_config
     from megagate.train import components as parts
     from megagate.train.trainer import Trainer
 
-    cfg = config_mod.load(str(step_reads.CONFIG), [*step_reads.BASE, "data.mock=true", f"output.dir={out}"])
-    layout = config_mod.layout(cfg, 1)
+    cfg = config_reader.load(str(step_reads.CONFIG), [*step_reads.BASE, "data.mock=true", f"output.dir={out}"])
+    layout = run_config.layout(cfg, 1)
     chunks = parts.build_model_chunks(cfg)
     ddp = parts.wrap_ddp(cfg, chunks)
     optimizer, scheduler = parts.build_optimizer(cfg, ddp)

@@ -1,16 +1,20 @@
-"""The callback interface of the Trainer (megagate.train.trainer).
+"""The callback interface of the Trainer (megagate.train.trainer): the hooks, the objects they receive, and what a
+callback sees of the trainer (`TrainerView`). Callbacks import this module, never the trainer.
 
-Hooks, in the order the trainer calls them; each hook goes to every callback in list order:
+Hooks, in the order the trainer calls them; each hook goes to every callback, highest `priority` first (callbacks
+of equal priority in the order they were given):
 
     on_start(trainer)                          once, after a resume (weights, optimizer, callback states loaded)
     per step:
       on_step_start(trainer, step)             before the step's data is read: trainer.stop(), trainer.seek()
       pre_step(trainer, step, microbatches)    -> the micro-batches to train on (may replace them)
       post_backward(trainer, step)             gradients reduced into the DDP buffers, not yet clipped
-      pre_optim_step(trainer, update)          loss and global grad norm known, nothing applied yet:
+      pre_optim_step(trainer, update)          loss and global grad norm computed (on the device: reading
+                                               them is a host read), nothing applied yet:
                                                update.skip(), update.scale_lr(f), trainer.restore(path)
       post_step(trainer, output)               the step is done (output: StepOutput); not called for a step
                                                that a restore() dropped
+    post_checkpoint_saved(trainer, path, step) after every checkpoint (whoever asked for it), on every rank
     on_end(trainer)                            the loop ended: completed, stopped, or aborted by trainer.stop(error)
     on_close(trainer)                          always last, also after an exception: release resources
 
@@ -21,39 +25,141 @@ Every rank runs every hook with the same values, so hooks may make collective ca
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
 
-if TYPE_CHECKING:
-    from megagate.train.trainer import StepOutput, Trainer, Update
+from megagate.run_config import TrainConfig
+from megagate.train.step_values import HostReads, StepLog, StepValues
+
+
+@dataclass
+class Update:
+    """This step's update before it is applied (pre_optim_step): callbacks may veto it or scale its LR.
+
+    `loss` and `grad_norm` are the global values (mean over micro-batches and data-parallel ranks; the norm after
+    the reduction), what callbacks judge the step by. They stay on the device until first asked for: asking is a
+    host read (one per step for both, a collective call, so a callback that asks must ask on every rank), which a
+    callback that decides nothing before the update should not make (megagate.train.step_values). A callback may
+    scale the loss the callbacks after it see (`scale_loss`: fault injection does); the logged values stay the
+    computed ones.
+    """
+
+    step: int
+    values: StepValues
+    lr_scale: float = 1.0
+    skipped: bool = False
+
+    @property
+    def loss(self) -> float:
+        return self.values.seen_loss
+
+    @property
+    def grad_norm(self) -> float:
+        return self.values.grad_norm
+
+    def scale_loss(self, factor: float) -> None:
+        """The callbacks after this one judge the step by its loss x `factor` (no host read)."""
+        self.values.scale_seen_loss(factor)
+
+    def skip(self) -> None:
+        """Do not apply this update (weights and optimizer state stay as they are; the data moves on)."""
+        self.skipped = True
+
+    def scale_lr(self, factor: float) -> None:
+        """Multiply this update's LR (from the schedule) by `factor`; factors of several callbacks multiply."""
+        self.lr_scale *= factor
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What post_step callbacks see of a finished step (`loss`, `grad_norm`: read when asked, as on `Update`)."""
+
+    step: int
+    values: StepValues  # global mean training loss as computed, global gradient norm before clipping
+    lr: float  # the LR of the update (after scale_lr)
+    step_time: float  # host seconds of the step, data included (on a GPU the device may still be running it)
+    applied: bool  # False: the update was skipped (by a callback, or by the optimizer on non-finite gradients)
+
+    @property
+    def loss(self) -> float:
+        return self.values.loss
+
+    @property
+    def grad_norm(self) -> float:
+        return self.values.grad_norm
+
+
+class TrainerView(Protocol):
+    """What a callback may read and do of the running Trainer (megagate.train.trainer.Trainer)."""
+
+    cfg: TrainConfig
+    components: Any  # megagate.train.components.Components: model chunks, optimizer, datasets, layout
+    layout: Any  # megagate.distributed.layout.Layout
+    model: list  # this rank's model chunks (unwrapped)
+    checkpointer: Any  # megagate.checkpoint.Checkpointer of the run
+    logging_rank: bool  # this rank writes the run files
+    step: int  # completed steps
+    start_step: int  # the step this launch began at
+    consumed_samples: int  # the data position: global samples before the next step
+    stop_reason: str | None
+    error: BaseException | None
+    summary: dict[str, Any]
+    first_loss: float | None
+    reads: HostReads  # the trainer's device-to-host reads (counted)
+    step_log: StepLog  # the trained steps' loss and grad norm, on the device until read
+    side_time: float  # seconds spent in evaluations and checkpoint saves
+
+    @property
+    def completed(self) -> bool: ...
+
+    def stop(self, reason: str, error: BaseException | None = None) -> None: ...
+
+    def seek(self, samples: int) -> None: ...
+
+    def callback(self, kind: type) -> Any: ...
+
+    def latest_checkpoint(self) -> Path | None: ...
+
+    def save_checkpoint(self) -> Path: ...
+
+    def restore(self, path: Path) -> dict[str, Any]: ...
+
+    def forward_backward(self, microbatches: list[dict], forward_only: bool) -> Any: ...  # a 0-d device tensor
 
 
 class Callback:
-    """A no-op for every hook; subclasses override what they need."""
+    """A no-op for every hook; subclasses override what they need and declare their `priority`."""
 
+    priority: ClassVar[int] = 0  # higher runs earlier in every hook; user callbacks (0) run after the built-ins
     state_key: str = ""  # non-empty: this callback's state_dict() goes into checkpoints
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         pass
 
-    def on_step_start(self, trainer: Trainer, step: int) -> None:
+    def on_step_start(self, trainer: TrainerView, step: int) -> None:
         pass
 
-    def pre_step(self, trainer: Trainer, step: int, microbatches: list[dict]) -> list[dict]:
+    def pre_step(self, trainer: TrainerView, step: int, microbatches: list[dict]) -> list[dict]:
         return microbatches
 
-    def post_backward(self, trainer: Trainer, step: int) -> None:
+    def post_backward(self, trainer: TrainerView, step: int) -> None:
         pass
 
-    def pre_optim_step(self, trainer: Trainer, update: Update) -> None:
+    def pre_optim_step(self, trainer: TrainerView, update: Update) -> None:
         pass
 
-    def post_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         pass
 
-    def on_end(self, trainer: Trainer) -> None:
+    def post_checkpoint_saved(self, trainer: TrainerView, path: Path, step: int) -> None:
         pass
 
-    def on_close(self, trainer: Trainer) -> None:
+    def on_end(self, trainer: TrainerView) -> None:
+        pass
+
+    def on_close(self, trainer: TrainerView) -> None:
         pass
 
     def state_dict(self) -> dict[str, Any]:
@@ -61,3 +167,8 @@ class Callback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+def in_priority_order(callbacks: Sequence[Callback]) -> list[Callback]:
+    """`callbacks` sorted by priority, highest first (a stable sort: equal priorities keep their order)."""
+    return sorted(callbacks, key=lambda cb: -cb.priority)

@@ -5,18 +5,17 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from megagate.console import log
+from megagate.files import write_atomic
 from megagate.model.counts import flops_per_token
 from megagate.monitor import runfiles
-from megagate.train.callbacks.base import Callback
-from megagate.train.metrics import Metrics, log
+from megagate.train.callbacks.base import Callback, StepOutput, TrainerView
+from megagate.train.metric_writer import Metrics
 from megagate.train.step_values import stacked
-
-if TYPE_CHECKING:
-    from megagate.train.trainer import StepOutput, Trainer
 
 MOE_LOSS_NAMES = {
     "aux_loss": "load_balancing_loss",
@@ -27,13 +26,16 @@ MOE_LOSS_NAMES = {
 
 class MetricsLogger(Callback):
     """Writes config.yaml, then a train line every logging.interval steps, the last step of the run and the step
-    a callback stopped it at. Owns the TensorBoard writer other callbacks log to (`writer`, None when off).
+    a callback stopped it at. Owns the TensorBoard writer other callbacks log to (`writer`, None when off), so it
+    starts before them.
 
     Values are read on the host at those steps only (one read for every step since the last one); `step_time` is
     the wall time since the last line per step, evaluations and checkpoint saves left out (on a GPU, what the
     queue running ahead of the host really took: the read waits for it), and the MoE losses are means over the
     same steps (megatron's tracker accumulates them on the device meanwhile).
     """
+
+    priority = 90
 
     def __init__(self) -> None:
         self.metrics: Metrics | None = None
@@ -44,11 +46,11 @@ class MetricsLogger(Callback):
     def writer(self) -> Any:
         return None if self.metrics is None else self.metrics.writer
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         cfg, t = trainer.cfg, trainer.cfg.train
         if trainer.logging_rank:
             os.makedirs(cfg.output.dir, exist_ok=True)
-            runfiles.write_atomic(os.path.join(cfg.output.dir, runfiles.CONFIG), _yaml(cfg.raw))
+            write_atomic(os.path.join(cfg.output.dir, runfiles.CONFIG), _yaml(cfg.raw))
             if trainer.step:  # resumed: what a killed launch logged after the checkpoint is logged again now
                 dropped = runfiles.truncate_after(cfg.output.dir, trainer.step)
                 if dropped:
@@ -65,7 +67,7 @@ class MetricsLogger(Callback):
             precision=t.precision,
         )
 
-    def on_step_start(self, trainer: Trainer, step: int) -> None:
+    def on_step_start(self, trainer: TrainerView, step: int) -> None:
         if self._since is None or step <= self._since[0]:
             # the first step, or one replayed after a restore: time (and MoE values) from here
             self._since = (step - 1, time.perf_counter(), trainer.side_time)
@@ -73,7 +75,7 @@ class MetricsLogger(Callback):
                 _moe_tracker().clear()
                 self._moe_steps = 0
 
-    def post_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         cfg = trainer.cfg
         step = output.step
         self._moe_steps += 1
@@ -95,7 +97,7 @@ class MetricsLogger(Callback):
         if self.metrics is not None:
             self.metrics.validation(step, loss)
 
-    def on_close(self, trainer: Trainer) -> None:
+    def on_close(self, trainer: TrainerView) -> None:
         if self.metrics is not None:
             self.metrics.close()
 
@@ -106,7 +108,7 @@ def _moe_tracker() -> Any:
     return get_moe_metrics_tracker()
 
 
-def moe_metrics(trainer: Trainer, step: int, steps: int = 1) -> dict[str, float]:
+def moe_metrics(trainer: TrainerView, step: int, steps: int = 1) -> dict[str, float]:
     """The MoE load-balancing and z-loss of the last `steps` steps (means over layers, micro-batches and those
     steps), and megatron's tracker reset; a collective call, one host read."""
     model = trainer.cfg.model
@@ -135,9 +137,10 @@ class RunSummary(Callback):
     into `trainer.summary` besides the standard ones (e.g. `spikes`) are written too.
     """
 
+    priority = 10  # last: it reports the final validation and what the other callbacks put in the summary
     STANDARD = ("steps", "final_loss", "final_valid_loss", "stopped")
 
-    def on_end(self, trainer: Trainer) -> None:
+    def on_end(self, trainer: TrainerView) -> None:
         if not trainer.logging_rank or (trainer.stop_reason is not None and trainer.error is None):
             return
         s = trainer.summary
