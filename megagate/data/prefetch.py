@@ -69,8 +69,8 @@ class StepPrefetcher:
         except BaseException:
             self._iter = None  # part of a step was read: the iterator's position is unknown
             raise
-        if self.pin:
-            batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
+        if self.pin:  # host tensors only: a loader may hand out device tensors already (DALI on a GPU)
+            batches = [{k: v.pin_memory() if v.device.type == "cpu" else v for k, v in b.items()} for b in batches]
         self._position += self.step_samples
         return batches
 
