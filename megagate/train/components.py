@@ -379,6 +379,7 @@ def build_components(cfg: TrainConfig, world_size: int) -> Components:
 
     from megagate.distributed import megatron_cpu
     from megagate.distributed.parallel import initialize_model_parallel
+    from megagate.train.optim_step import has_loss_scaler
 
     layout = run_config.layout(cfg, world_size)
     megatron_cpu.install()
@@ -403,7 +404,9 @@ def build_components(cfg: TrainConfig, world_size: int) -> Components:
     optimizer, scheduler = build_optimizer(cfg, ddp)
     tconfig = chunks[0].config
     tconfig.finalize_model_grads_func = finalize_model_grads
-    tconfig.grad_scale_func = optimizer.scale_loss
+    # the loss scaler's factor in the backward; without a scaler (fp32, bf16) it would multiply every micro-batch's
+    # loss by 1.0: megatron skips the multiplication when there is no function
+    tconfig.grad_scale_func = optimizer.scale_loss if has_loss_scaler(optimizer) else None
     tconfig.no_sync_func = [c.no_sync for c in ddp] if len(ddp) > 1 else ddp[0].no_sync
     if ddp[0].ddp_config.overlap_grad_reduce:
         # Megatron-LM's align_grad_reduce: the schedule launches each chunk's reduce when its last backward ends

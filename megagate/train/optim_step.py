@@ -43,6 +43,11 @@ def has_separate_norm_groups(optimizer: Any) -> bool:
     return any(_get_param_grad_norm_group(p) is not None for part in _parts(optimizer) for p in part.get_parameters())
 
 
+def has_loss_scaler(optimizer: Any) -> bool:
+    """True when the optimizer scales the loss (fp16, or a loss scale set): its scale_loss is not a product by 1."""
+    return any(getattr(part, "grad_scaler", None) is not None for part in _parts(optimizer))
+
+
 @torch.no_grad()
 def prepare(optimizer: Any) -> tuple[bool, torch.Tensor | float]:
     """(non-finite gradients found by a loss scaler, the global gradient norm before clipping)."""

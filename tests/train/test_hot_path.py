@@ -167,7 +167,7 @@ def _trainer(out: Path):
     from megatron.core.distributed import finalize_model_grads
 
     tconfig.finalize_model_grads_func = finalize_model_grads
-    tconfig.grad_scale_func = optimizer.scale_loss
+    tconfig.grad_scale_func = None  # fp32: no loss scaler (build_components leaves it out the same way)
     tconfig.no_sync_func = ddp[0].no_sync
     comps = parts.Components(cfg, layout, chunks, ddp, optimizer, scheduler, None, None, None)
     return Trainer(cfg, comps, [])
