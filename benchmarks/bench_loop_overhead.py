@@ -65,50 +65,67 @@ def run_overrides(shape: str, steps: int, interval: int, out: str, data_dir: str
 
 
 # --- the plain loop --------------------------------------------------------------------------------------------
-def plain_loop(overrides: list[str], result: str) -> None:
-    """The minimal megatron loop; writes {"windows": [mean step seconds of each window], "losses": [...]}."""
-    import torch
+class PlainLoop:
+    """The minimal megatron loop: megagate's model and data set-up, then torch's loop (inside a megatron world)."""
 
-    from megagate import config_reader, run_config
-    from megagate.distributed import megatron_cpu, parallel
-    from megagate.train import components
+    def __init__(self, cfg) -> None:
+        import torch
 
-    cfg = config_reader.load(CONFIG, overrides)
-    t = cfg.train
-    layout = run_config.layout(cfg, 1)
-    megatron_cpu.install()
-    with parallel.single_process(cfg.parallel, cfg.seed):
-        model = components.build_model_chunks(cfg)[0]  # the trainer's model, initialised the same way
-        train_data, _, _ = components.build_data(cfg, layout)
-        data = components.loader(cfg, train_data, 0)
-        decay = [p for name, p in model.named_parameters() if p.ndim > 1 and not name.endswith(".bias")]
-        no_decay = [p for name, p in model.named_parameters() if not (p.ndim > 1 and not name.endswith(".bias"))]
-        optimizer = torch.optim.AdamW(
+        from megagate import run_config
+        from megagate.train import components
+
+        t = cfg.train
+        self.cfg, self.n = cfg, run_config.layout(cfg, 1).num_microbatches
+        self.model = components.build_model_chunks(cfg)[0]  # the trainer's model, initialised the same way
+        train_data, _, _ = components.build_data(cfg, run_config.layout(cfg, 1))
+        self.data = components.loader(cfg, train_data, 0)
+        params = list(self.model.named_parameters())
+        decay = [p for name, p in params if p.ndim > 1 and not name.endswith(".bias")]
+        no_decay = [p for name, p in params if not (p.ndim > 1 and not name.endswith(".bias"))]
+        self.optimizer = torch.optim.AdamW(
             [{"params": decay}, {"params": no_decay, "wd_mult": 0.0}],
             lr=t.lr,
             betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_eps,
             weight_decay=t.weight_decay,
         )
-        scheduler = plain_scheduler(cfg, optimizer)
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        n = layout.num_microbatches
+        self.scheduler = plain_scheduler(cfg, self.optimizer)
+        self.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+    def step(self):
+        """One step; the loss as a device tensor (read only when logged)."""
+        import torch
+
+        t = self.cfg.train
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.n):
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in next(self.data).items()}
+            per_token = self.model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s]
+            mask = batch["loss_mask"].float()
+            loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1) / self.n
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.clip_grad)
+        self.optimizer.step()
+        self.scheduler.step(increment=t.global_batch_size)
+        return total
+
+
+def plain_loop(overrides: list[str], result: str) -> None:
+    """Time the plain loop; writes {"windows": [mean step seconds of each window], "losses": [...]}."""
+    from megagate import config_reader
+    from megagate.distributed import megatron_cpu, parallel
+
+    cfg = config_reader.load(CONFIG, overrides)
+    megatron_cpu.install()
+    with parallel.single_process(cfg.parallel, cfg.seed):
+        loop = PlainLoop(cfg)
         interval = cfg.logging.interval
         windows, losses = [], []
         start = time.perf_counter()
-        for step in range(1, t.train_steps + 1):
-            optimizer.zero_grad(set_to_none=True)
-            total = torch.zeros((), device=device)
-            for _ in range(n):
-                batch = {k: v.to(device, non_blocking=True) for k, v in next(data).items()}
-                per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s]
-                mask = batch["loss_mask"].float()
-                loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1) / n
-                loss.backward()
-                total += loss.detach()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_grad)
-            optimizer.step()
-            scheduler.step(increment=t.global_batch_size)
+        for step in range(1, cfg.train.train_steps + 1):
+            total = loop.step()
             if step % interval == 0:
                 losses.append(total.item())  # the host read of a logging step
                 now = time.perf_counter()

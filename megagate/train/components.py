@@ -350,6 +350,24 @@ def loader(cfg: TrainConfig, dataset: Any, consumed_samples: int) -> Iterator[di
 
 
 # --- the whole set -------------------------------------------------------------------------------------------------
+def schedule_groups() -> Any:
+    """The process groups megatron's schedules use (the collection they build from its parallel state on every call
+    without one: tensor, context, embedding, pipeline and data-parallel groups), built once for a run."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    groups = ProcessGroupCollection()
+    groups.tp = parallel_state.get_tensor_model_parallel_group()
+    groups.cp = parallel_state.get_context_parallel_group()
+    groups.embd = parallel_state.get_embedding_group(check_initialized=False)
+    groups.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
+    groups.pp = parallel_state.get_pipeline_model_parallel_group()
+    groups.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
+    groups.tp_dp_cp = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    groups.dp = parallel_state.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
+    return groups
+
+
 def layout_key(cfg: TrainConfig, layout: Layout) -> dict:
     """The parallel layout as stored in a checkpoint (a resume under another one reshards, without the RNG)."""
     return {

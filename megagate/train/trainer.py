@@ -76,6 +76,8 @@ class Trainer:
             lambda position: parts.loader(cfg, components.train_data, position), self.layout.num_microbatches, gbs
         )
         self._seek: int | None = None  # a data position asked for by seek(), taken when the next step reads
+        self._schedule: Any = None  # megatron's forward-backward schedule and its process groups (first use)
+        self._groups: Any = None
         self._restored = False
         tokenizer = None if components.data is None else components.data.tokenizer
         self._data_order = resume_checks.data_order(cfg, tokenizer)
@@ -300,10 +302,13 @@ class Trainer:
     def forward_backward(self, microbatches: list[dict], forward_only: bool) -> torch.Tensor:
         """megatron's forward(-backward) schedule over micro-batches; this rank's mean loss over them, a 0-d float64
         device tensor (zero off the last pipeline stage; step_values.global_losses makes it global)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+        if self._schedule is None:
+            from megatron.core.pipeline_parallel import get_forward_backward_func
 
+            # the run's schedule and its process groups, once (megatron rebuilds the groups' collection per call)
+            self._schedule, self._groups = get_forward_backward_func(), parts.schedule_groups()
         iterators = [iter(microbatches) for _ in self.ddp] if len(self.ddp) > 1 else iter(microbatches)
-        results = get_forward_backward_func()(
+        results = self._schedule(
             forward_step_func=_forward_step,
             data_iterator=iterators,
             model=self.ddp if len(self.ddp) > 1 else self.ddp[0],
@@ -311,6 +316,7 @@ class Trainer:
             seq_length=self.cfg.train.seq_length,
             micro_batch_size=self.cfg.train.micro_batch_size,
             forward_only=forward_only,
+            pg_collection=self._groups,
         )
         return _local_loss(results)
 
