@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import torch
 
-    from megagate.distributed import launch
-    from megagate.train import children, runlock
+    from megagate.distributed import children, launch
+    from megagate.train import runlock
     from megagate.train.trainer import train
 
     if not any(v in os.environ for v in ("RANK", "SLURM_PROCID", "MASTER_PORT")):

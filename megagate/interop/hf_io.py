@@ -228,7 +228,7 @@ def _save_once(root: Path, model: torch.nn.Module, meta: Mapping[str, Any]) -> P
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from megagate import checkpoint as ckpt
-    from megagate.train import children
+    from megagate.distributed import children
 
     ours = filesystem_async._results_queue is None
     if ours:
@@ -258,8 +258,8 @@ def write_checkpoint(
     """
     import yaml
 
+    from megagate import checkpoint as ckpt
     from megagate import config_reader
-    from megagate.train import resume
 
     out = Path(out)
     raw: dict[str, Any] = {"model": model_section(model_cfg), **(base or {})}
@@ -281,7 +281,7 @@ def write_checkpoint(
     meta = {
         "consumed_samples": 0,
         "config": raw,
-        "architecture": resume.architecture(cfg),
+        "architecture": ckpt.architecture(cfg),
         "layout": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1},
         "optimizer_format": cfg.checkpoint.optimizer_format,
         "imported_from": dict(source or {}),

@@ -217,7 +217,7 @@ def loader(cfg: TrainConfig, dataset: Any, consumed_samples: int) -> Iterator[di
     from megatron.core import parallel_state
 
     from megagate.data.loader import build_loader
-    from megagate.train import children
+    from megagate.distributed import children
 
     return iter(
         build_loader(

@@ -176,7 +176,7 @@ class Trainer:
             "optimizer_format": self.cfg.checkpoint.optimizer_format,
             "config": self.cfg.raw,
             # what a resume checks (megagate.train.resume)
-            "architecture": resume_checks.architecture(self.cfg),
+            "architecture": ckpt.architecture(self.cfg),
             "data_order": self._data_order,
             "schedule": resume_checks.schedule(self.cfg),
             "data_samples": None if data is None else {"train": data.train_samples, "valid": data.valid_samples},
