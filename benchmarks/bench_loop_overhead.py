@@ -71,13 +71,14 @@ class PlainLoop:
     def __init__(self, cfg) -> None:
         import torch
 
-        from megagate import run_config
+        from megagate.model_factory import build_model
+        from megagate.run_setup import resolve
         from megagate.train import components
 
-        t = cfg.train
-        self.cfg, self.n = cfg, run_config.layout(cfg, 1).num_microbatches
-        self.model = components.build_model_chunks(cfg)[0]  # the trainer's model, initialised the same way
-        train_data, _, _ = components.build_data(cfg, run_config.layout(cfg, 1))
+        t, setup = cfg.train, resolve(cfg, 1)
+        self.cfg, self.n = cfg, setup.layout.num_microbatches
+        self.model = build_model(setup)[0]  # the trainer's model, built and initialised by the trainer's factory
+        train_data, _, _ = components.build_data(cfg, setup.layout)
         self.data = components.loader(cfg, train_data, 0)
         params = list(self.model.named_parameters())
         decay = [p for name, p in params if p.ndim > 1 and not name.endswith(".bias")]

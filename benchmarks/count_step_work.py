@@ -85,6 +85,7 @@ def windows(first: int, steps: int) -> dict[int, tuple[str, int]]:
 
 
 def count_megagate(cfg, first: int, steps: int) -> dict[str, float | None]:
+    from megagate.run_setup import resolve
     from megagate.train.callbacks import Callback
     from megagate.train.trainer import train
 
@@ -106,7 +107,7 @@ def count_megagate(cfg, first: int, steps: int) -> dict[str, float | None]:
                     reads.append(trainer.reads.count)
 
     with quiet_stdout():
-        train(cfg, 1, extra_callbacks=[Counting()])
+        train(resolve(cfg, 1), extra_callbacks=[Counting()])
     return count.per_step(steps, reads[1] - reads[0] if len(reads) == 2 else None)
 
 

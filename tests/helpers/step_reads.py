@@ -89,6 +89,7 @@ def worker(rank: int, world: int, runs: dict[str, list[str]], out: str, demo_dir
     from megatron.core import parallel_state
 
     from megagate import config_reader
+    from megagate.run_setup import resolve
     from megagate.train.trainer import train
 
     results = {}
@@ -100,7 +101,7 @@ def worker(rank: int, world: int, runs: dict[str, list[str]], out: str, demo_dir
             str(CONFIG), [*BASE, *overrides, f"data.demo_dir={demo_dir}", f"output.dir={out}/{name}"]
         )
         extra, seen = _callbacks(signal_at)
-        summary = train(cfg, world, extra_callbacks=extra)
+        summary = train(resolve(cfg, world), extra_callbacks=extra)
         parallel_state.destroy_model_parallel()
         stop = seen["stop"]
         results[name] = {

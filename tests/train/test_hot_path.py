@@ -154,23 +154,26 @@ def test_prefetcher_raises_a_loader_error_where_the_step_needs_the_data():
 
 # --- the optimizer step: one norm, the same update ------------------------------------------------------------------
 def _trainer(out: Path):
-    from megagate import config_reader, run_config
+    """A Trainer without callbacks on the tiny fp32 model (DDP, DistributedOptimizer) and no data (steps are given
+    their micro-batches), built the way build_components builds a run's parts."""
+    from megagate import config_reader
+    from megagate.model_factory import build_model
+    from megagate.run_setup import resolve
     from megagate.train import components as parts
     from megagate.train.trainer import Trainer
 
     cfg = config_reader.load(str(step_reads.CONFIG), [*step_reads.BASE, "data.mock=true", f"output.dir={out}"])
-    layout = run_config.layout(cfg, 1)
-    chunks = parts.build_model_chunks(cfg)
-    ddp = parts.wrap_ddp(cfg, chunks)
-    optimizer, scheduler = parts.build_optimizer(cfg, ddp)
-    tconfig = chunks[0].config
+    setup = resolve(cfg, 1)
+    chunks = build_model(setup)
+    ddp = parts.wrap_ddp(setup, chunks)
+    optimizer, scheduler = parts.build_optimizer(setup, ddp)
     from megatron.core.distributed import finalize_model_grads
 
+    tconfig = chunks[0].config
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.grad_scale_func = None  # fp32: no loss scaler (build_components leaves it out the same way)
     tconfig.no_sync_func = ddp[0].no_sync
-    comps = parts.Components(cfg, layout, chunks, ddp, optimizer, scheduler, None, None, None)
-    return Trainer(cfg, comps, [])
+    return Trainer(parts.Components(setup, chunks, ddp, optimizer, scheduler, None, None, None), [])
 
 
 def _batches(n: int, step: int) -> list[dict]:
