@@ -188,7 +188,11 @@ class _CpuTorch:
             setattr(self, name, _on_cpu(getattr(torch, name)))
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
+        # kept on the instance: megatron looks `torch.<name>` up hundreds of times per training step, and a
+        # Python __getattr__ per lookup was a measurable share of a small CPU step
+        value = getattr(torch, name)
+        self.__dict__[name] = value
+        return value
 
 
 def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
