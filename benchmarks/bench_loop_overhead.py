@@ -1,6 +1,7 @@
 """What `megagate train` costs per step over a minimal hand-written loop on the same megatron model.
 
     .venv/bin/python benchmarks/bench_loop_overhead.py [--shapes tiny hidden256] [--rounds 4] [--windows 4]
+                                                       [--clock wall|cpu]
 
 Each round runs, in an order alternating every round, two processes on the same config (examples/tiny_cpu.yaml
 and the overrides of the shape; evaluation off, no checkpoint but the final one):
@@ -13,7 +14,11 @@ and the overrides of the shape; evaluation off, no checkpoint but the final one)
             (megatron's weight-decay groups) and megatron's OptimizerParamScheduler (same LR schedule).
 
 Both read the loss on the host every `--interval` steps (megagate: its logging interval) and time windows of that
-many steps, ended by that read: the window's mean step time, data loading included. The first `--warmup`
+many steps, ended by that read: the window's mean step time, data loading included (`--clock wall`, the default:
+megagate's own `step_time`, evaluations and saves left out). `--clock cpu` times the main thread's CPU time instead
+(the trainer then runs as `megagate train` runs it, `train(resolve(cfg, 1))` with every default callback, plus one
+that reads the clock): other processes on a shared machine move it much less, and work on other threads (megagate's
+data prefetch) is not counted, so it measures the critical path of an otherwise idle machine. The first `--warmup`
 windows of each process are not counted. Reported per shape: each process's median window, and the paired
 ratio megagate / plain per round (the two processes of a round ran within seconds of each other, so a machine
 that gets busier or quieter moves both alike): its median and its min..max over the rounds. The load average
@@ -113,26 +118,61 @@ class PlainLoop:
         return total
 
 
-def plain_loop(overrides: list[str], result: str) -> None:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}  # cpu: the main thread's CPU time
+
+
+def plain_loop(overrides: list[str], result: str, clock: str) -> None:
     """Time the plain loop; writes {"windows": [mean step seconds of each window], "losses": [...]}."""
     from megagate import config_reader
     from megagate.distributed import megatron_cpu, parallel
 
     cfg = config_reader.load(CONFIG, overrides)
     megatron_cpu.install()
+    now = CLOCKS[clock]
     with parallel.single_process(cfg.parallel, cfg.seed):
         loop = PlainLoop(cfg)
         interval = cfg.logging.interval
         windows, losses = [], []
-        start = time.perf_counter()
+        start = now()
         for step in range(1, cfg.train.train_steps + 1):
             total = loop.step()
             if step % interval == 0:
                 losses.append(total.item())  # the host read of a logging step
-                now = time.perf_counter()
-                windows.append((now - start) / interval)
-                start = now
+                end = now()
+                windows.append((end - start) / interval)
+                start = end
     Path(result).write_text(json.dumps({"windows": windows, "losses": losses}))
+
+
+def megagate_cpu_loop(overrides: list[str], result: str) -> None:
+    """The trainer as `megagate train` runs it (train(resolve(cfg, 1)): every default callback) with one more
+    callback that reads the main thread's CPU time at the end of every logging step."""
+    from megagate import config_reader
+    from megagate.distributed import parallel
+    from megagate.run_setup import resolve
+    from megagate.train.callbacks import Callback
+    from megagate.train.trainer import train
+
+    cfg = config_reader.load(CONFIG, overrides)
+    windows: list[float] = []
+    marks: list[float] = []
+
+    class CpuWindows(Callback):  # priority 0: after MetricsLogger's read of the logging step
+        def on_start(self, trainer) -> None:
+            marks.append(time.thread_time())
+
+        def post_step(self, trainer, output) -> None:
+            if output.step % cfg.logging.interval == 0:
+                marks.append(time.thread_time())
+                windows.append((marks[-1] - marks[-2]) / cfg.logging.interval)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        parallel.init_distributed(0, 1, os.path.join(tmp, "rendezvous"), backend="gloo")
+        try:
+            train(resolve(cfg, 1), extra_callbacks=[CpuWindows()])
+        finally:
+            parallel.destroy()
+    Path(result).write_text(json.dumps({"windows": windows}))
 
 
 def plain_scheduler(cfg, optimizer):
@@ -169,8 +209,12 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_megagate(overrides: list[str], out: str, env: dict[str, str]) -> list[float]:
-    """`megagate train`; the step_time of its logged steps (the mean over each logging interval)."""
+def run_megagate(overrides: list[str], out: str, env: dict[str, str], clock: str) -> list[float]:
+    """`megagate train`; the step_time of its logged steps (the mean over each logging interval). With the cpu
+    clock, the trainer in a worker that reads its main thread's CPU time."""
+    if clock == "cpu":
+        result = os.path.join(out + ".json")
+        return _worker(["--worker-megagate", result, "--", *overrides], result, env)
     cmd = [sys.executable, "-m", "megagate", "train", "--config", CONFIG, *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -179,12 +223,15 @@ def run_megagate(overrides: list[str], out: str, env: dict[str, str]) -> list[fl
     return [r["step_time"] for r in records if r["split"] == "train"]
 
 
-def run_plain(overrides: list[str], tmp: str, env: dict[str, str]) -> list[float]:
+def run_plain(overrides: list[str], tmp: str, env: dict[str, str], clock: str) -> list[float]:
     result = os.path.join(tmp, "plain.json")
-    cmd = [sys.executable, __file__, "--worker", result, "--", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    return _worker(["--worker", result, "--clock", clock, "--", *overrides], result, env)
+
+
+def _worker(args: list[str], result: str, env: dict[str, str]) -> list[float]:
+    proc = subprocess.run([sys.executable, __file__, *args], cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"the plain loop failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        raise SystemExit(f"{args[0]} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     return json.loads(Path(result).read_text())["windows"]
 
 
@@ -197,7 +244,10 @@ def bench_shape(shape: str, args: argparse.Namespace, tmp: str) -> dict[str, lis
         for kind in order:
             out = os.path.join(tmp, f"{shape}-{kind}-{r}")
             over = run_overrides(shape, steps, args.interval, out, args.data_dir)
-            windows = run_megagate(over, out, env) if kind == "megagate" else run_plain(over, tmp, env)
+            if kind == "megagate":
+                windows = run_megagate(over, out, env, args.clock)
+            else:
+                windows = run_plain(over, tmp, env, args.clock)
             if len(windows) != args.warmup + args.windows:
                 raise SystemExit(f"{kind}: {len(windows)} timed windows, expected {args.warmup + args.windows}")
             medians[kind].append(statistics.median(windows[args.warmup :]))
@@ -219,10 +269,22 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1, help="windows per process not counted")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of both processes")
     parser.add_argument("--data-dir", default=str(REPO / "runs" / "demo-data"), help="demo corpus cache")
+    parser.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="wall",
+        help="wall: elapsed time of `megagate train` itself; cpu: the main thread's CPU time (less moved by other "
+        "processes on a shared machine; work on other threads, megagate's data prefetch, is not counted)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run the plain loop, write this file
+    parser.add_argument("--worker-megagate", help=argparse.SUPPRESS)  # internal: the trainer on the cpu clock
     args, rest = parser.parse_known_args()
-    if args.worker:
-        plain_loop([a for a in rest if a != "--"], args.worker)
+    if args.worker or args.worker_megagate:
+        overrides = [a for a in rest if a != "--"]
+        if args.worker:
+            plain_loop(overrides, args.worker, args.clock)
+        else:
+            megagate_cpu_loop(overrides, args.worker_megagate)
         return 0
     if args.rounds < 1 or args.windows < 1 or args.interval < 1 or args.warmup < 0:
         parser.error("--rounds, --windows and --interval must be >= 1, --warmup >= 0")
@@ -232,7 +294,7 @@ def main() -> int:
     load = os.getloadavg()
     print(
         f"{args.rounds} paired rounds per shape; {args.windows} windows of {args.interval} steps per process after "
-        f"{args.warmup} warm-up window(s); OMP_NUM_THREADS={args.threads}; {os.cpu_count()} CPUs, "
+        f"{args.warmup} warm-up window(s); {args.clock} clock; OMP_NUM_THREADS={args.threads}; {os.cpu_count()} CPUs, "
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
         flush=True,
     )
