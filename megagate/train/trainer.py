@@ -306,8 +306,10 @@ class Trainer:
         if self._schedule is None:
             from megatron.core.pipeline_parallel import get_forward_backward_func
 
-            # the run's schedule and its process groups, once (megatron rebuilds the groups' collection per call)
-            self._schedule, self._groups = get_forward_backward_func(), parts.schedule_groups()
+            # the run's schedule, and (without pipelining) its process groups once: megatron rebuilds the groups'
+            # collection per call; the pipelined schedules take it only with a p2p communicator, so they build both
+            self._schedule = get_forward_backward_func()
+            self._groups = parts.schedule_groups() if self.layout.pp == 1 else None
         iterators = [iter(microbatches) for _ in self.ddp] if len(self.ddp) > 1 else iter(microbatches)
         results = self._schedule(
             forward_step_func=_forward_step,
