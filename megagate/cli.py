@@ -20,6 +20,7 @@ from megagate.errors import MegagateError
 COMMANDS: dict[str, str] = {
     "train": "train a gated GPT from a YAML config (torchrun, srun or a single process)",
     "plan": "per-GPU memory and step time of a config on N nodes (--search: the fitting layouts, fastest first)",
+    "calibrate": "measure this machine (GEMMs, attention, bandwidth, collectives, trainer overheads) into a device profile",
     "submit": "render and submit a Slurm batch job for a training config",
     "sweep": "run a stability grid (learning rates x gate variants x seeds) locally or as a Slurm job array",
     "report": "aggregate run directories into a table (loss, ppl, spikes, divergence, F-Attn, M-Act) and plots",

@@ -125,6 +125,21 @@ def w(tmp_path_factory) -> dict[str, str]:
     (d / "hf_badjson").mkdir()
     (d / "hf_badjson" / "config.json").write_text('{"model_type": ')
     p["hf_badjson"] = str(d / "hf_badjson")
+    # a device profile whose GEMM rate is negative (everything else well-formed)
+    profile = {
+        "schema": 1,
+        "name": "cpu",
+        "kind": "cpu",
+        "memory_bytes": 2**34,
+        "gemm": {"fp32": {"rate": -1.0, "half": 8.0, "latency": 1e-6}},
+        "attention": {"sdpa": {"rate": 1e9, "latency": 1e-5}},
+        "memory_bandwidth": 1e10,
+        "intra": {"latency": 1e-4, "bandwidth": 1e9},
+        "inter": {"latency": 1e-4, "bandwidth": 1e9},
+        "host": {"per_step": 0.01, "per_microbatch": 0.001, "per_layer": 0.001, "per_layer_gate": 0.0, "per_layer_moe": 0.0},
+    }
+    (d / "bad_profile.json").write_text(json.dumps(profile))
+    p["bad_profile"] = str(d / "bad_profile.json")
     (d / "run_ok").mkdir()
     (d / "run_ok" / "metrics.jsonl").write_text(good_metrics)
     p["run_ok"] = str(d / "run_ok")
@@ -426,8 +441,13 @@ CASES = [
     # --- plan, and the memory plan of submit / train --dry-run -----------------------------------------------------
     C("plan-nodes-zero", "plan {base} --nodes 0", "0"),
     C("plan-gpu", "plan {base} --nodes 1 --gpu h999", "h999"),
-    C("plan-mfu", "plan {base} --nodes 1 --mfu 0", "0"),
-    C("plan-mfu-nan", "plan {base} --nodes 1 --mfu nan", "nan"),
+    C("plan-profile-missing", "plan {base} --nodes 1 --profile {work}/none.json", "none.json"),
+    C("plan-profile-not-json", "plan {base} --nodes 1 --profile {base}", "not a JSON device profile"),
+    C("plan-profile-bad-field", "plan {base} --nodes 1 --profile {bad_profile}", "gemm.fp32.rate"),
+    C("plan-imbalance", "plan {base} --nodes 1 --routing-imbalance 0.5", "0.5"),
+    C("calibrate-budget", "calibrate --budget-s 0 --out {work}/p.json", "0", "p.json"),
+    C("calibrate-out-folder", "calibrate --out {work}", "folder"),
+    C("calibrate-out-missing-folder", "calibrate --out {work}/no/p.json", "does not exist"),
     C("plan-margin", "plan {base} --nodes 1 --margin-gb -1", "-1"),
     C("plan-bandwidth", "plan {base} --nodes 1 --inter-node-gbs 0", "0"),
     C("plan-top", "plan {base} --nodes 1 --search --top 0", "0"),
@@ -500,6 +520,7 @@ def test_table_is_large_and_distinct():
         "report",
         "variants",
         "plan",
+        "calibrate",
     ):
         assert command in commands, command
 

@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("megagate.perf", "megagate.config"),
     ("megagate.plan",),
     ("megagate.train",),
+    ("megagate.calibrate",),  # measures kernels and the trainer's overheads into a megagate.plan profile
     ("megagate.evaluate",),
     # hf / hf_config / hf_weights import only megagate.model; hf_io reads and writes checkpoints (megagate.train)
     ("megagate.interop",),

@@ -1,0 +1,120 @@
+"""The trainer's own overheads on this machine: steps of megagate's trainer (megatron's schedule, DDP, the
+distributed optimizer, mock data) on tiny models, where the kernels' work is small next to the framework's.
+
+Variants (1 process): a dense baseline of 1 and 2 layers, a G1-gated and two MoE models (2 and 4 local experts) of 1
+layer; each stepped with 1 and 2 micro-batches. With the modelled device work subtracted (the planner's own
+estimate with the measured curves and no overheads), the step is
+
+    overhead = per_step + L x per_layer_step + M x (per_microbatch + L x (per_layer [+ gate] [+ moe + E x per_expert]))
+
+which the eight timings determine (a negative solve is clamped at 0 and said so).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "dense-1": {"num_layers": 1},
+    "dense-2": {"num_layers": 2},
+    "gate-1": {"num_layers": 1, "gate": "g1-elementwise"},
+    "moe2-1": {"num_layers": 1, "num_experts": 2},
+    "moe4-1": {"num_layers": 1, "num_experts": 4},
+}
+
+
+def config(
+    out_dir: str,
+    variant: dict[str, Any],
+    precision: str,
+    core_attention: str,
+    micro_batches: int = 1,
+    environment: bool = True,
+):
+    """The TrainConfig of a tiny calibration model (mock data, no checkpoints; `environment`: checked against this
+    machine, as the trainer needs)."""
+    from megagate import config as config_mod
+
+    experts = variant.get("num_experts", 0)
+    model: dict[str, Any] = {
+        "preset": "tiny-moe" if experts else "tiny",
+        "num_layers": variant["num_layers"],
+        "vocab_size": 128,
+        "max_sequence_length": 16,
+        "gate": {"preset": variant.get("gate", "baseline")},
+    }
+    if experts:
+        model.update(num_experts=experts, moe_router_topk=1, moe_router_norm_topk=False)  # top-1: pre-softmax
+    raw = {
+        "model": model,
+        "train": {
+            "micro_batch_size": 1,
+            "global_batch_size": micro_batches,
+            "seq_length": 16,
+            "train_steps": 1_000_000,
+            "precision": precision,
+        },
+        "data": {"mock": True},
+        "checkpoint": {"interval": 0},
+        "logging": {"tensorboard": False},
+        "perf": {"core_attention": core_attention},
+        "output": {"dir": out_dir},
+    }
+    return config_mod.from_dict(raw, environment=environment)
+
+
+def time_variants(precision: str, core_attention: str, until: float, reps: int = 5) -> dict[str, dict[int, float]]:
+    """{variant: {micro-batches: median step seconds}} of the trainer's step (data fetch included, as
+    `megagate train` times it), the variants interleaved so that load changes touch them alike."""
+    from megatron.core import parallel_state
+
+    from megagate.train import components
+    from megagate.train.trainer import Trainer
+
+    runs: dict[str, tuple[Callable[[int], float]]] = {}
+    with tempfile.TemporaryDirectory() as out:
+        for name, variant in VARIANTS.items():
+            cfg = config(f"{out}/{name}", variant, precision, core_attention)
+            parallel_state.destroy_model_parallel()
+            parts = components.build_components(cfg, 1)
+            trainer = Trainer(cfg, parts, callbacks=[])
+            data = components.loader(cfg, parts.train_data, 0)
+
+            def step(m: int, trainer=trainer, data=data) -> float:
+                start = time.perf_counter()
+                trainer.train_step([next(data) for _ in range(m)], start)
+                return time.perf_counter() - start
+
+            step(1), step(2)  # warm-up: the allocator, autograd's caches
+            runs[name] = (step,)
+        times: dict[str, dict[int, list[float]]] = {n: {1: [], 2: []} for n in runs}
+        for r in range(reps):
+            if r >= 2 and time.perf_counter() > until:
+                break
+            for name, (step,) in runs.items():
+                for m in (1, 2):
+                    times[name][m].append(step(m))
+    return {n: {m: statistics.median(v) for m, v in by_m.items()} for n, by_m in times.items()}
+
+
+def solve(measured: dict[str, dict[int, float]], modelled: dict[str, dict[int, float]]) -> tuple[dict, list[str]]:
+    """The Host fields from the timings minus the modelled device work (see the module docstring), and notes on
+    what was clamped."""
+    o = {n: {m: measured[n][m] - modelled[n][m] for m in (1, 2)} for n in measured}
+    slope = {n: o[n][2] - o[n][1] for n in o}  # per micro-batch
+    per_layer = slope["dense-2"] - slope["dense-1"]
+    values = {
+        "per_layer": per_layer,
+        "per_microbatch": slope["dense-1"] - per_layer,
+        "per_layer_step": (o["dense-2"][1] - slope["dense-2"]) - (o["dense-1"][1] - slope["dense-1"]),
+        "per_layer_gate": slope["gate-1"] - slope["dense-1"],
+        "per_expert": (slope["moe4-1"] - slope["moe2-1"]) / 2,
+    }
+    values["per_layer_moe"] = slope["moe2-1"] - slope["dense-1"] - 2 * values["per_expert"]
+    values["per_step"] = o["dense-1"][1] - slope["dense-1"] - values["per_layer_step"]
+    notes = [f"host {k} solved as {v * 1e3:.3f} ms (noise): clamped to 0" for k, v in values.items() if v < 0]
+    return {k: max(0.0, v) for k, v in values.items()}, notes
