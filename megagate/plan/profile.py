@@ -161,18 +161,26 @@ class DeviceProfile:
         return self.attention.get("flash") or self.attention.get("sdpa") or next(iter(self.attention.values()))
 
     def scaled_for_ranks(self, ranks: int) -> DeviceProfile:
-        """This CPU profile for `ranks` processes on one machine (the measured slow-down of each; unchanged on a GPU,
-        where every rank has its own device, or when nothing was measured for that many)."""
+        """This CPU profile for `ranks` processes on one machine: each rank's rates times the measured compute share,
+        its latencies and overheads over the host share (unchanged on a GPU, where every rank has its own device,
+        or when nothing was measured for that many)."""
         factors = self.local_ranks.get(str(ranks)) if self.kind == "cpu" and ranks > 1 else None
         if not factors:
             return self
         compute, host = factors["compute"], factors["host"]
         h = self.host
+
+        def curve(c: Curve) -> Curve:  # the rate is compute, the per-call latency is the host's dispatch
+            return dataclasses.replace(c, rate=c.rate * compute, latency=c.latency / host)
+
         return dataclasses.replace(
             self,
-            gemm={k: dataclasses.replace(c, rate=c.rate * compute) for k, c in self.gemm.items()},
-            grouped_gemm={k: dataclasses.replace(c, rate=c.rate * compute) for k, c in self.grouped_gemm.items()},
-            attention={k: dataclasses.replace(a, rate=a.rate * compute) for k, a in self.attention.items()},
+            gemm={k: curve(c) for k, c in self.gemm.items()},
+            grouped_gemm={k: curve(c) for k, c in self.grouped_gemm.items()},
+            attention={
+                k: dataclasses.replace(a, rate=a.rate * compute, latency=a.latency / host)
+                for k, a in self.attention.items()
+            },
             memory_bandwidth=self.memory_bandwidth * compute,
             host=dataclasses.replace(
                 h,
