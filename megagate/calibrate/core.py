@@ -72,8 +72,10 @@ def calibrate(budget_s: float = 110.0, ranks: int = 2, log: Callable[[str], None
     log(f"calibrate: experts by tokens per expert, {'a grouped GEMM' if grouped else 'one GEMM each'} measured")
 
     intra, local_ranks, alltoall = UNMEASURED_LINK, {}, 1.0
+    # the ranks' processes take seconds to start on a quiet machine, a minute on a crowded one: they are given at
+    # least 90 s before the measurement is given up (a single-GPU machine starts none)
     remaining = deadline.left() * SHARES["collectives"]
-    world = collectives.measure(ranks, timeout=max(20.0, remaining)) if ranks > 1 else None
+    world = collectives.measure(ranks, timeout=max(90.0, remaining)) if ranks > 1 else None
     if world:
         ring = [tuple(x) for x in world["all_gather"] + world["all_reduce"]]
         intra, err = curves.fit_link(ring)
