@@ -49,19 +49,31 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "dense baseline s128 mbs4": (1, ["model.gate.preset=baseline", "train.seq_length=128", "train.micro_batch_size=4"]),
     "dense G1 s128 mbs4": (1, ["model.gate.preset=g1-elementwise", "train.seq_length=128", "train.micro_batch_size=4"]),
     "dense G1 s256 mbs2": (1, ["model.gate.preset=g1-elementwise", "train.seq_length=256", "train.micro_batch_size=2"]),
-    "MoE baseline s128 mbs4": (1, [*MOE, "model.gate.preset=baseline", "train.seq_length=128", "train.micro_batch_size=4"]),
-    "MoE G1 s256 mbs2": (1, [*MOE, "model.gate.preset=g1-elementwise", "train.seq_length=256", "train.micro_batch_size=2"]),
+    "MoE baseline s128 mbs4": (
+        1,
+        [*MOE, "model.gate.preset=baseline", "train.seq_length=128", "train.micro_batch_size=4"],
+    ),
+    "MoE G1 s256 mbs2": (
+        1,
+        [*MOE, "model.gate.preset=g1-elementwise", "train.seq_length=256", "train.micro_batch_size=2"],
+    ),
     "dense G1 s128 mbs4 TP2": (
         2,
-        ["model.gate.preset=g1-elementwise", "train.seq_length=128", "train.micro_batch_size=4",
-         "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+        [
+            "model.gate.preset=g1-elementwise",
+            "train.seq_length=128",
+            "train.micro_batch_size=4",
+            "parallel.tensor_model_parallel_size=2",
+            "parallel.sequence_parallel=true",
+        ],
     ),  # fmt: skip
 }
 GLOBAL_BATCH = 8  # per step: 2 micro-batches of 4, or 4 of 2
 
 
 def load() -> str:
-    return "load %.1f/%.1f" % os.getloadavg()[:2]
+    one, five = os.getloadavg()[:2]
+    return f"load {one:.1f}/{five:.1f}"
 
 
 def overrides(name: str, steps: int, out: str) -> tuple[int, list[str]]:
@@ -91,12 +103,12 @@ def train(name: str, steps: int, warmup: int, work: str) -> tuple[float, list[fl
 
 
 def predict(name: str, profile_path: str, steps: int) -> float:
-    from megagate import config as config_mod
+    from megagate import config_reader
     from megagate.plan import plan
     from megagate.plan import profile as profile_mod
 
     ranks, over = overrides(name, steps, "unused")
-    cfg = config_mod.load(str(REPO / "examples" / "tiny_cpu.yaml"), over, environment=False)
+    cfg = config_reader.load(str(REPO / "examples" / "tiny_cpu.yaml"), over, environment=False)
     return plan(cfg, ranks, profile_mod.load(profile_path), gpus_per_node=ranks).time.total
 
 

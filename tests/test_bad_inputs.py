@@ -4,7 +4,7 @@ and nothing left under the names the command would have written.
 One table (`CASES`) across train, train --dry-run, submit --dry-run, sweep --dry-run, preprocess, data inspect,
 tokenizer, analyze, report and variants. Each case runs through `megagate.cli.main` in this process, as the user's
 command line would; every refusal must happen while checking the input, before anything is built or trained (no
-case here trains: the real `train` cases are refused by `megagate.config.validate`, ahead of the process group).
+case here trains: the real `train` cases are refused by `megagate.config_reader.validate`, ahead of the process group).
 The fixtures (a 300-token BPE, a small indexed dataset, damaged copies of its files, broken run directories) are
 built once per module. Disk-full in preprocess runs in its own test on a real 64 KiB tmpfs.
 """
@@ -136,7 +136,13 @@ def w(tmp_path_factory) -> dict[str, str]:
         "memory_bandwidth": 1e10,
         "intra": {"latency": 1e-4, "bandwidth": 1e9},
         "inter": {"latency": 1e-4, "bandwidth": 1e9},
-        "host": {"per_step": 0.01, "per_microbatch": 0.001, "per_layer": 0.001, "per_layer_gate": 0.0, "per_layer_moe": 0.0},
+        "host": {
+            "per_step": 0.01,
+            "per_microbatch": 0.001,
+            "per_layer": 0.001,
+            "per_layer_gate": 0.0,
+            "per_layer_moe": 0.0,
+        },
     }
     (d / "bad_profile.json").write_text(json.dumps(profile))
     p["bad_profile"] = str(d / "bad_profile.json")

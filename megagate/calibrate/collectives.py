@@ -77,12 +77,14 @@ def _worker(rank: int, world: int, init_file: str, result_file: str, reps: int) 
         n = size // 4
         x = torch.randn(n, device=dev)
         gathered = [torch.empty_like(x) for _ in range(world)]
-        results["all_gather"].append([size * (world - 1), _time(lambda: dist.all_gather(gathered, x), reps, dist.barrier)])
-        results["all_reduce"].append([2 * size * (world - 1) / world, _time(lambda: dist.all_reduce(x), reps, dist.barrier)])
+        gather = _time(lambda x=x, gathered=gathered: dist.all_gather(gathered, x), reps, dist.barrier)
+        results["all_gather"].append([size * (world - 1), gather])
+        reduce = _time(lambda x=x: dist.all_reduce(x), reps, dist.barrier)
+        results["all_reduce"].append([2 * size * (world - 1) / world, reduce])
         try:
             y = torch.empty(n * world, device=dev)
             xs = torch.randn(n * world, device=dev)
-            seconds = _time(lambda: dist.all_to_all_single(y, xs), reps, dist.barrier)
+            seconds = _time(lambda y=y, xs=xs: dist.all_to_all_single(y, xs), reps, dist.barrier)
             results["all_to_all"].append([size * (world - 1), seconds])
         except (RuntimeError, NotImplementedError):
             pass  # this backend has no all-to-all
@@ -109,8 +111,16 @@ def measure(ranks: int, reps: int = 5, timeout: float = 120.0) -> dict | None:
         logs = [open(os.path.join(tmp, f"rank{r}.err"), "wb") for r in range(ranks)]  # noqa: SIM115
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "megagate.calibrate.collectives", str(r), str(ranks), init_file, result_file,
-                 str(reps)],  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "megagate.calibrate.collectives",
+                    str(r),
+                    str(ranks),
+                    init_file,
+                    result_file,
+                    str(reps),
+                ],  # fmt: skip
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=logs[r],

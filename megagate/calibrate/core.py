@@ -103,7 +103,9 @@ def calibrate(budget_s: float = 110.0, ranks: int = 2, log: Callable[[str], None
     megatron_cpu.install()
     with parallel.single_process():
         for kernel in ("sdpa", "local"):
-            s = measure.attention_samples(kernel, main, deadline.share(SHARES["attention"] / (2 if kernel == "sdpa" else 1)))
+            s = measure.attention_samples(
+                kernel, main, deadline.share(SHARES["attention"] / (2 if kernel == "sdpa" else 1))
+            )
             fused = kernel == "sdpa"
             name_k = "flash" if gpu_run and fused else kernel
             attention[name_k], err = curves.fit_attention(s, bandwidth, causal_skip=fused, unfused=not fused)
@@ -133,7 +135,9 @@ def _framework(provisional: DeviceProfile, precision: str, deadline: Deadline) -
             modelled[name][m] = plan(cfg, 1, provisional, gpus_per_node=1).time.total
     values, notes = framework.solve(measured, modelled)
     provisional.samples["framework"] = {"measured": measured, "modelled": modelled}
-    return Host(**values, serial=provisional.kind == "cpu", moe_sync=0.0 if provisional.kind == "cpu" else 0.65e-3), notes
+    return Host(
+        **values, serial=provisional.kind == "cpu", moe_sync=0.0 if provisional.kind == "cpu" else 0.65e-3
+    ), notes
 
 
 def _profile(name, kind, memory, gpu, gemm, grouped, attention, bandwidth, intra, local_ranks, alltoall, host,

@@ -37,7 +37,7 @@ def config(
 ):
     """The TrainConfig of a tiny calibration model (mock data, no checkpoints; `environment`: checked against this
     machine, as the trainer needs)."""
-    from megagate import config as config_mod
+    from megagate import config_reader
 
     experts = variant.get("num_experts", 0)
     model: dict[str, Any] = {
@@ -64,7 +64,7 @@ def config(
         "perf": {"core_attention": core_attention},
         "output": {"dir": out_dir},
     }
-    return config_mod.from_dict(raw, environment=environment)
+    return config_reader.from_dict(raw, environment=environment)
 
 
 def time_variants(precision: str, core_attention: str, until: float, reps: int = 5) -> dict[str, dict[int, float]]:
@@ -72,6 +72,7 @@ def time_variants(precision: str, core_attention: str, until: float, reps: int =
     `megagate train` times it), the variants interleaved so that load changes touch them alike."""
     from megatron.core import parallel_state
 
+    from megagate.run_setup import resolve
     from megagate.train import components
     from megagate.train.trainer import Trainer
 
@@ -80,8 +81,8 @@ def time_variants(precision: str, core_attention: str, until: float, reps: int =
         for name, variant in VARIANTS.items():
             cfg = config(f"{out}/{name}", variant, precision, core_attention)
             parallel_state.destroy_model_parallel()
-            parts = components.build_components(cfg, 1)
-            trainer = Trainer(cfg, parts, callbacks=[])
+            parts = components.build_components(resolve(cfg, 1))
+            trainer = Trainer(parts, callbacks=[])
             data = components.loader(cfg, parts.train_data, 0)
 
             def step(m: int, trainer=trainer, data=data) -> float:

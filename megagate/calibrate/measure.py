@@ -63,7 +63,7 @@ def grouped_samples(dtype: str, until: float) -> dict[str, list[tuple[int, int, 
         if grouped is not None:
             offs = torch.arange(tokens, experts * tokens + 1, tokens, device=dev, dtype=torch.int32)
             try:
-                seconds = median_seconds(lambda x=x, w=w, offs=offs: grouped(x, w, offs=offs), until=until)
+                seconds = median_seconds(lambda x=x, w=w, offs=offs, g=grouped: g(x, w, offs=offs), until=until)
             except (RuntimeError, NotImplementedError):
                 grouped = None  # no grouped kernel for this device / dtype
                 continue
@@ -97,8 +97,8 @@ def attention_samples(kernel: str, dtype: str, until: float) -> list[tuple[int, 
 
     from megagate.model import gate as gates
     from megagate.model.build import transformer_config
-    from megagate.model.config import ModelConfig
     from megagate.model.core_attention import SDPACoreAttention
+    from megagate.model.model_config import ModelConfig
 
     dev, dt = device(), DTYPES[dtype]
     out = []

@@ -13,7 +13,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="device_profile.json", help="the profile to write (JSON, atomically)")
     parser.add_argument("--budget-s", type=float, default=110.0, help="time budget in seconds (default 110)")
     parser.add_argument(
-        "--ranks", type=int, default=None, help="local ranks of the collective measurement (default: 2 on CPU, the GPUs)"
+        "--ranks",
+        type=int,
+        default=None,
+        help="local ranks of the collective measurement (default: 2 on CPU, the GPUs)",
     )
 
 
@@ -39,5 +42,7 @@ def run(args: argparse.Namespace) -> int:
     ranks = args.ranks or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     result = calibrate(args.budget_s, ranks)
     profile_mod.save(result, args.out)
-    print(f"device profile of {result.name} written to {args.out} (plan with: megagate plan CONFIG --profile {args.out})")
+    print(
+        f"device profile of {result.name} written to {args.out} (plan with: megagate plan CONFIG --profile {args.out})"
+    )
     return 0

@@ -6,7 +6,7 @@ import argparse
 import json
 import math
 
-from megagate import config as config_mod
+from megagate import config_reader
 from megagate.plan import GPUS
 from megagate.plan.core import DEFAULT_FRAGMENTATION, DEFAULT_MARGIN_GB, plan
 
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         from megagate.plan.devices import gpu_spec
 
         device = gpu_spec(args.gpu)  # the unknown-GPU refusal before the config is read
-    cfg = config_mod.load(args.config, args.overrides, environment=False)  # planned away from the data
+    cfg = config_reader.load(args.config, args.overrides, environment=False)  # planned away from the data
     world = args.nodes * args.gpus_per_node
     kwargs = dict(
         gpus_per_node=args.gpus_per_node,

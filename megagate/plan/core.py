@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from megagate import config as config_mod
 from megagate import perf as perf_mod
-from megagate.config import TrainConfig
+from megagate import run_config
+from megagate.machine import Machine
 from megagate.model.counts import flops_per_token
 from megagate.plan import memory as mem
 from megagate.plan.devices import GB, GpuSpec, gpu_spec
@@ -16,6 +16,7 @@ from megagate.plan.params import RankShape, rank_buffers
 from megagate.plan.profile import DeviceProfile, Link
 from megagate.plan.time import StepTime, step_time
 from megagate.plan.work import Workload
+from megagate.run_config import TrainConfig
 
 DEFAULT_MARGIN_GB = 3.0  # CUDA context, cuBLAS/TE workspaces, NCCL buffers of every communicator
 DEFAULT_FRAGMENTATION = 0.05  # caching-allocator slack, as a share of the activations
@@ -157,7 +158,7 @@ def workload(cfg: TrainConfig, layout, profile: DeviceProfile, gpus_per_node: in
     """The step's work as the trainer would run `cfg` on `profile`'s device (perf settings resolved for it)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     cpu = profile.kind == "cpu"
-    device = perf_mod.Device(gpu=False, te=False) if cpu else perf_mod.Device.target(cfg)
+    device = Machine(gpu=False, te=False) if cpu else Machine.target(cfg)
     r = perf_mod.resolve_perf(cfg, device)
     attention = "local" if cfg.perf.core_attention == "local" else ("sdpa" if cpu else "flash")
     return Workload(
@@ -204,7 +205,7 @@ def plan(
     """Memory per rank role and the step time of `cfg` on `world_size` devices (see docs/planning.md). `gpu`: a
     GPU table name, a GpuSpec, or a calibrated DeviceProfile (`megagate calibrate`; a CPU's plans the CPU run)."""
     profile = device_profile(gpu, intra_gbs, inter_gbs)
-    layout = config_mod.layout(cfg, world_size)  # the trainer's own layout rules (one-line ConfigError)
+    layout = run_config.layout(cfg, world_size)  # the trainer's own layout rules (one-line ConfigError)
     t = cfg.train
     cpu = profile.kind == "cpu"
     k = kernels or kernels_for(t.backend, cfg.perf.core_attention, cpu=cpu)

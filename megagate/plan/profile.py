@@ -201,7 +201,7 @@ def to_dict(p: DeviceProfile) -> dict[str, Any]:
 
 def save(p: DeviceProfile, path: str) -> None:
     """Write the profile to `path` atomically (a temporary name in the same folder, then a rename)."""
-    from megagate.monitor.runfiles import write_atomic
+    from megagate.files import write_atomic
 
     write_atomic(path, json.dumps(to_dict(p), indent=1, sort_keys=True, allow_nan=False) + "\n")
 

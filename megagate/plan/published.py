@@ -17,8 +17,8 @@ from typing import Any
 
 from megagate.errors import ConfigError
 from megagate.model import gate as gates
-from megagate.model.config import ModelConfig
-from megagate.model.config import from_dict as model_from_dict
+from megagate.model.model_config import ModelConfig
+from megagate.model.presets import from_dict as model_from_dict
 from megagate.plan.devices import gpu_spec
 from megagate.plan.gpu_defaults import FITTED, GpuConstants, gpu_profile
 from megagate.plan.schedule import split_layers

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megagate.config import TrainConfig
 from megagate.errors import ConfigError
 from megagate.plan.core import Plan, device_profile, plan, with_overrides
 from megagate.plan.profile import DeviceProfile
+from megagate.run_config import TrainConfig
 
 RECOMPUTE = (
     {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None},

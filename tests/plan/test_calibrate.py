@@ -61,8 +61,20 @@ def test_calibrate_writes_a_profile_plan_reads(tmp_path) -> None:
     assert len(p.samples["gemm_fp32"]) >= 6 and set(p.samples["framework"]["measured"]) == set(framework.VARIANTS)
     assert "2" in p.local_ranks and p.intra.bandwidth > 0  # the two-rank gloo world was measured
     planned = subprocess.run(
-        [sys.executable, "-m", "megagate", "plan", "examples/tiny_cpu.yaml", "--nodes", "1", "--gpus-per-node", "1",
-         "--profile", str(out), "--json"],  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "megagate",
+            "plan",
+            "examples/tiny_cpu.yaml",
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "1",
+            "--profile",
+            str(out),
+            "--json",
+        ],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=300,

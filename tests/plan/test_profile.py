@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from megagate import config as config_mod
+from megagate import config_reader
 from megagate.errors import ConfigError
 from megagate.plan import curves, plan
 from megagate.plan import profile as profile_mod
@@ -90,8 +90,17 @@ def test_cpu_profile_plans_the_cpu_run(tmp_path, capsys) -> None:
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
     args = parser.parse_intermixed_args(
-        ["examples/tiny_cpu.yaml", "--nodes", "1", "--gpus-per-node", "2", "--profile", str(path), "--json",
-         "parallel.tensor_model_parallel_size=2"]  # fmt: skip
+        [
+            "examples/tiny_cpu.yaml",
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "2",
+            "--profile",
+            str(path),
+            "--json",
+            "parallel.tensor_model_parallel_size=2",
+        ]  # fmt: skip
     )
     assert command.run(args) == 0
     out = json.loads(capsys.readouterr().out)
@@ -105,7 +114,7 @@ def test_cpu_profile_plans_the_cpu_run(tmp_path, capsys) -> None:
     assert len(out["memory"]["stages"]) == 1 and out["memory"]["stages"][0]["total_gb"] > 0
     # the two ranks share the machine: each at the measured share of one process's speed (compute 0.5: the GEMMs
     # take twice as long; host 0.8: the overheads 1 / 0.8 as long)
-    cfg = config_mod.load("examples/tiny_cpu.yaml", ["parallel.tensor_model_parallel_size=2"], environment=False)
+    cfg = config_reader.load("examples/tiny_cpu.yaml", ["parallel.tensor_model_parallel_size=2"], environment=False)
     p = cpu_profile()
     p = dataclasses.replace(p, gemm={k: dataclasses.replace(c, latency=0.0) for k, c in p.gemm.items()})
     shared = plan(cfg, 2, p, gpus_per_node=2).time.terms

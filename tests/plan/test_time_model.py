@@ -10,7 +10,7 @@ import pytest
 
 from megagate.errors import ConfigError
 from megagate.model import gate as gates
-from megagate.model.config import ModelConfig
+from megagate.model.model_config import ModelConfig
 from megagate.plan import comm, schedule
 from megagate.plan.profile import AttentionCurve, Curve, DeviceProfile, Host, Link
 from megagate.plan.time import step_time
