@@ -7,12 +7,11 @@ MFU, the terms, the exposed communication, the bubble, per stage, the limiting f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megagate.plan.devices import GB
 
-if TYPE_CHECKING:
-    from megagate.plan.core import Plan
+Plan = Any  # megagate.plan.core.Plan (core calls these; importing it here, even for typing, would be a cycle)
 
 JSON_VERSION = 1
 
