@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from megagate import perf as perf_mod
-from megagate import run_config
 from megagate.machine import Machine
 from megagate.model.counts import flops_per_token
 from megagate.plan import memory as mem
@@ -17,6 +15,7 @@ from megagate.plan.profile import DeviceProfile, Link
 from megagate.plan.time import StepTime, step_time
 from megagate.plan.work import Workload
 from megagate.run_config import TrainConfig
+from megagate.run_setup import RunSetup, resolve
 
 DEFAULT_MARGIN_GB = 3.0  # CUDA context, cuBLAS/TE workspaces, NCCL buffers of every communicator
 DEFAULT_FRAGMENTATION = 0.05  # caching-allocator slack, as a share of the activations
@@ -121,8 +120,8 @@ class Plan:
 
 
 def kernels_for(backend: str, core_attention: str = "auto", cpu: bool = False) -> mem.Kernels:
-    """The kernel set of a train.backend ('auto' plans for Transformer Engine on a GPU, the cluster default) and a
-    perf.core_attention: megatron's local attention keeps the [b, np, s, s] scores, TE's and SDPA's do not."""
+    """The kernel set of a resolved backend ("te" | "local") and core attention ("te" | "sdpa" | "local"):
+    megatron's local attention keeps the [b, np, s, s] scores, TE's and SDPA's do not."""
     if cpu:
         return mem.CPU_LOCAL if core_attention == "local" else mem.CPU_SDPA
     if core_attention == "local":
@@ -154,13 +153,12 @@ def device_profile(
     return gpu_profile(spec)
 
 
-def workload(cfg: TrainConfig, layout, profile: DeviceProfile, gpus_per_node: int, imbalance: float) -> Workload:
-    """The step's work as the trainer would run `cfg` on `profile`'s device (perf settings resolved for it)."""
+def workload(setup: RunSetup, profile: DeviceProfile, gpus_per_node: int, imbalance: float) -> Workload:
+    """The step's work as the trainer runs the set-up (`run_setup.resolve` for the profile's device)."""
+    cfg, layout, r = setup.cfg, setup.layout, setup.perf
     m, t, p = cfg.model, cfg.train, cfg.parallel
     cpu = profile.kind == "cpu"
-    device = Machine(gpu=False, te=False) if cpu else Machine.target(cfg)
-    r = perf_mod.resolve_perf(cfg, device)
-    attention = "local" if cfg.perf.core_attention == "local" else ("sdpa" if cpu else "flash")
+    attention = "local" if setup.core_attention == "local" else ("sdpa" if cpu else "flash")
     return Workload(
         model=m,
         seq=t.seq_length,
@@ -205,12 +203,13 @@ def plan(
     """Memory per rank role and the step time of `cfg` on `world_size` devices (see docs/planning.md). `gpu`: a
     GPU table name, a GpuSpec, or a calibrated DeviceProfile (`megagate calibrate`; a CPU's plans the CPU run)."""
     profile = device_profile(gpu, intra_gbs, inter_gbs)
-    layout = run_config.layout(cfg, world_size)  # the trainer's own layout rules (one-line ConfigError)
-    t = cfg.train
     cpu = profile.kind == "cpu"
-    k = kernels or kernels_for(t.backend, cfg.perf.core_attention, cpu=cpu)
+    # the trainer's own layout rules and perf decisions for that device (one-line ConfigErrors)
+    setup = resolve(cfg, world_size, Machine(gpu=False, te=False) if cpu else Machine.target(cfg))
+    layout = setup.layout
+    k = kernels or kernels_for(setup.backend, setup.core_attention, cpu=cpu)
     roles = _roles(cfg, layout, k, margin_gb, fragmentation)
-    w = workload(cfg, layout, profile, gpus_per_node, routing_imbalance)
+    w = workload(setup, profile, gpus_per_node, routing_imbalance)
     st = step_time(w, profile, ranks_per_node=min(gpus_per_node, world_size))
     assumptions = [
         "weights, gradient buffers and optimizer shards: megatron's exact buffer layout (64-element alignment, "
