@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megagate.plan import published as P  # noqa: E402
+from megagate.plan.devices import gpu_spec  # noqa: E402
 from megagate.plan.gpu_defaults import FITTED, GpuConstants  # noqa: E402
 
 FREE = (
@@ -113,15 +114,18 @@ def report(runs: list[P.Run], c: GpuConstants, markdown: bool) -> None:
         print(f"{use}: {s['runs']} runs, median |error| {s['median']:.1%}, worst {s['worst']:.1%}")
     if markdown:
         print(
-            "\n| MoE configuration (NVIDIA's layout) | its predicted step | planner's best layout | best's step | ratio |"
+            "\n| MoE configuration (NVIDIA's layout) | its predicted step | its memory estimate | planner's best "
+            "layout (of N fitting) | best's step | ratio |"
         )
-        print("|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|")
     for r in P.layout_check_runs(runs):
         best, best_t, n = P.best_layout(r, c)
         own = P.predict(r, c).total
+        limit = gpu_spec(r.gpu).memory_bytes
+        memory = f"{P.memory_estimate(r.workload, limit) / 1e9:.0f} of {limit / 1e9:.0f} GB"
         line = (P.describe(r.workload), f"{own:.2f} s", P.describe(best), f"{best_t:.2f} s", f"{own / best_t:.3f}")
         if markdown:
-            print(f"| {r.id} ({line[0]}) | {line[1]} | {line[2]} | {line[3]} | {line[4]} |")
+            print(f"| {r.id} ({line[0]}) | {line[1]} | {memory} | {line[2]} ({n}) | {line[3]} | {line[4]} |")
         else:
             print(
                 f"layout {r.id:44s} NVIDIA {line[0]:22s} {line[1]:>9s}  best of {n:4d}: {line[2]:22s} {line[3]:>9s}  x{line[4]}"
