@@ -48,9 +48,13 @@ def calibrate(budget_s: float = 110.0, ranks: int = 2, log: Callable[[str], None
     samples: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__}
     notes: list[str] = []
 
-    bandwidth = measure.bandwidth(deadline.share(SHARES["bandwidth"]))
-    samples["bandwidth"] = bandwidth
-    log(f"calibrate: memory bandwidth {bandwidth / 1e9:.1f} GB/s ({deadline.elapsed():.0f} s)")
+    bandwidth, cache_bandwidth, cache_bytes = measure.bandwidth(deadline.share(SHARES["bandwidth"]))
+    samples["bandwidth"] = [bandwidth, cache_bandwidth, cache_bytes]
+    log(
+        f"calibrate: memory bandwidth {bandwidth / 1e9:.1f} GB/s"
+        + (f", {cache_bandwidth / 1e9:.1f} GB/s on tensors up to {cache_bytes >> 10} KiB" if cache_bandwidth else "")
+        + f" ({deadline.elapsed():.0f} s)"
+    )
 
     gemm = {}
     for i, dt in enumerate(dtypes):
@@ -108,7 +112,8 @@ def calibrate(budget_s: float = 110.0, ranks: int = 2, log: Callable[[str], None
             )
             fused = kernel == "sdpa"
             name_k = "flash" if gpu_run and fused else kernel
-            attention[name_k], err = curves.fit_attention(s, bandwidth, causal_skip=fused, unfused=not fused)
+            scores_bw = cache_bandwidth or bandwidth  # the calibration's score tensors are small
+            attention[name_k], err = curves.fit_attention(s, scores_bw, causal_skip=fused, unfused=not fused)
             samples[f"attention_{kernel}"] = s
             log(f"calibrate: {kernel} attention {attention[name_k].rate / 1e9:.1f} GFLOP/s (rms error {err:.0%})")
         provisional = _profile(name, kind, memory, gpu, gemm, grouped, attention, bandwidth, intra, local_ranks,
@@ -178,6 +183,8 @@ def _profile(name, kind, memory, gpu, gemm, grouped, attention, bandwidth, intra
         nvlink_domain=8,
         alltoall_efficiency=alltoall,
         threads=samples["threads"],
+        cache_bandwidth=samples["bandwidth"][1],
+        cache_bytes=samples["bandwidth"][2],
         local_ranks=local_ranks,
         source="megagate calibrate (this machine)",
         samples=samples,

@@ -71,14 +71,36 @@ def grouped_samples(dtype: str, until: float) -> dict[str, list[tuple[int, int, 
     return out
 
 
-def bandwidth(until: float) -> float:
-    """Bytes/s of a large element-wise add (reads two tensors, writes one): what memory-bound kernels get."""
+def _add_bandwidth(elements: int, until: float) -> float:
     dev = device()
-    n = (256 if dev.type == "cuda" else 16) * 2**20
-    a, b = torch.randn(n, device=dev), torch.randn(n, device=dev)
+    a, b = torch.randn(elements, device=dev), torch.randn(elements, device=dev)
     c = torch.empty_like(a)
-    seconds = median_seconds(lambda: torch.add(a, b, out=c), until=until)
-    return 3 * 4 * n / seconds
+    return 3 * 4 * elements / median_seconds(lambda: torch.add(a, b, out=c), until=until)
+
+
+def largest_cache() -> int:
+    """Bytes of the CPU's largest cache level (0 if unknown)."""
+    sizes = []
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size", encoding="utf-8") as f:
+                text = f.read().strip()
+        except OSError:
+            break
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=0)
+
+
+def bandwidth(until: float) -> tuple[float, float | None, int]:
+    """(bytes/s of a large element-wise add, which reads two tensors and writes one; on a CPU also the bytes/s when
+    the tensors stay in its cache and the largest tensor size that does), for memory-bound kernels."""
+    gpu = device().type == "cuda"
+    large = _add_bandwidth((256 if gpu else 16) * 2**20, until)
+    cache = 0 if gpu else largest_cache() // 8
+    if not cache:
+        return large, None, 0
+    return large, _add_bandwidth(min(cache, 2**20) // 4, until), cache
 
 
 def attention_shapes(gpu: bool) -> list[tuple[int, int, int, int]]:

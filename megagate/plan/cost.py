@@ -70,8 +70,9 @@ def grouped_seconds(profile: DeviceProfile, x: Grouped) -> tuple[float, float, f
     return fwd, bwd, ideal
 
 
-def work_seconds(work: LayerWork, profile: DeviceProfile, kernel: str) -> PassTime:
-    """Device seconds of `work` (one micro-batch on one rank)."""
+def work_seconds(work: LayerWork, profile: DeviceProfile, kernel: str, tensor_bytes: float = float("inf")) -> PassTime:
+    """Device seconds of `work` (one micro-batch on one rank; `tensor_bytes`: the size of its activation tensors,
+    which decides whether memory-bound kernels run from a CPU's cache)."""
     out = PassTime()
     for g in work.gemms:
         f, b = gemm_seconds(profile.curve(g.precision), g)
@@ -85,8 +86,10 @@ def work_seconds(work: LayerWork, profile: DeviceProfile, kernel: str) -> PassTi
         out.expert_ideal += ideal
     curve = profile.attention_curve(kernel)
     for a in work.attention:
-        f, b = curve.seconds(a.b, a.heads, a.sq, a.sk, a.d, a.causal, profile.memory_bandwidth)
+        scores = 4.0 * a.b * a.heads * a.sq * a.sk  # an unfused kernel's fp32 scores
+        f, b = curve.seconds(a.b, a.heads, a.sq, a.sk, a.d, a.causal, profile.bandwidth(scores))
         out.add("attention", f, b)
     moved = sum(work.bytes.values())
-    out.add("memory-bound", moved / profile.memory_bandwidth, 2 * moved / profile.memory_bandwidth)
+    bandwidth = profile.bandwidth(tensor_bytes)
+    out.add("memory-bound", moved / bandwidth, 2 * moved / bandwidth)
     return out

@@ -122,7 +122,7 @@ class DeviceProfile:
     # by precision; its latency is per expert (a grouped GEMM still pays per group); empty: no grouped kernel
     grouped_gemm: dict[str, Curve]
     attention: dict[str, AttentionCurve]  # by kernel
-    memory_bandwidth: float  # bytes/s of memory-bound kernels
+    memory_bandwidth: float  # bytes/s of memory-bound kernels on tensors larger than the cache
     intra: Link  # inside an NVLink domain (a node of the local ranks, on CPU)
     inter: Link  # between domains
     host: Host
@@ -130,11 +130,19 @@ class DeviceProfile:
     nvlink_domain: int = 8
     alltoall_efficiency: float = 1.0  # all-to-all inside a domain: bandwidth as a share of the ring collectives'
     overlap_efficiency: float = 1.0  # the share of a compute window that hides communication run alongside it
+    cache_bandwidth: float | None = None  # bytes/s on tensors of at most `cache_bytes` (a CPU's caches)
+    cache_bytes: int = 0
     threads: int | None = None  # CPU: the threads per process the curves were measured with
     # CPU: per-rank slow-down when this many ranks share the machine, {"2": {"compute": f, "host": g}}
     local_ranks: dict[str, dict[str, float]] = field(default_factory=dict)
     source: str = ""
     samples: dict[str, Any] = field(default_factory=dict)  # the raw measurements behind the curves
+
+    def bandwidth(self, tensor_bytes: float) -> float:
+        """Bytes/s of memory-bound kernels whose tensors are `tensor_bytes` each (cache-resident ones faster)."""
+        if self.cache_bandwidth and tensor_bytes <= self.cache_bytes:
+            return self.cache_bandwidth
+        return self.memory_bandwidth
 
     def curve(self, precision: str) -> Curve:
         """The GEMM curve of a precision (fp8 falls back to bf16 where none was measured, fp32 to bf16 at half)."""
@@ -182,6 +190,7 @@ class DeviceProfile:
                 for k, a in self.attention.items()
             },
             memory_bandwidth=self.memory_bandwidth * compute,
+            cache_bandwidth=None if self.cache_bandwidth is None else self.cache_bandwidth * compute,
             host=dataclasses.replace(
                 h,
                 **{
@@ -280,6 +289,8 @@ def from_dict(data: Any) -> DeviceProfile:
         nvlink_domain=int(_number(data, "nvlink_domain")) if "nvlink_domain" in data else 8,
         alltoall_efficiency=_number(data, "alltoall_efficiency") if "alltoall_efficiency" in data else 1.0,
         overlap_efficiency=_number(data, "overlap_efficiency") if "overlap_efficiency" in data else 1.0,
+        cache_bandwidth=_number(data, "cache_bandwidth") if data.get("cache_bandwidth") is not None else None,
+        cache_bytes=int(_number(data, "cache_bytes", zero=True)) if "cache_bytes" in data else 0,
         threads=threads,
         local_ranks={str(k): {"compute": float(v["compute"]), "host": float(v["host"])} for k, v in ranks.items()},
         source=str(data.get("source", "")),

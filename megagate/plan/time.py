@@ -17,9 +17,18 @@ from dataclasses import dataclass, field
 
 from megagate.plan import comm, cost, schedule
 from megagate.plan.profile import DeviceProfile
-from megagate.plan.work import Workload, embedding_work, layer_work, optimizer_bytes, output_work, recompute_work
+from megagate.plan.work import (
+    LayerWork,
+    Workload,
+    embedding_work,
+    layer_work,
+    optimizer_bytes,
+    output_work,
+    recompute_work,
+)
 
 COMM_KINDS = ("TP", "EP", "CP", "PP p2p")
+STEP_COLLECTIVES = 6
 
 
 @dataclass
@@ -69,14 +78,19 @@ class StepTime:
 
 def _layer_times(w: Workload, profile: DeviceProfile, topo: comm.Topology) -> tuple[cost.PassTime, comm.LayerComm]:
     work = layer_work(w)
-    device = cost.work_seconds(work, profile, w.attention)
-    device.recompute(cost.work_seconds(recompute_work(w, work), profile, w.attention))
-    attention = profile.attention_curve(w.attention).seconds(
-        *(lambda a: (a.b, a.heads, a.sq, a.sk, a.d, a.causal))(work.attention[0]), profile.memory_bandwidth
-    )
+    size = _tensor_bytes(w)
+    device = cost.work_seconds(work, profile, w.attention, size)
+    device.recompute(cost.work_seconds(recompute_work(w, work), profile, w.attention, size))
+    attention = cost.work_seconds(LayerWork(attention=work.attention), profile, w.attention)  # what CP's ring hides
+    attention_seconds = (attention.fwd, attention.bwd)
     gemms = [cost.gemm_seconds(profile.curve(g.precision), g) for g in work.gemms if not g.name.startswith("expert")]
     hidden = (sum(f for f, _ in gemms), sum(b for _, b in gemms))
-    return device, comm.layer_comm(w, topo, attention, device.total, hidden)
+    return device, comm.layer_comm(w, topo, attention_seconds, device.total, hidden)
+
+
+def _tensor_bytes(w: Workload) -> float:
+    """The size of a layer's activation tensors ([T, h] in the activation dtype)."""
+    return w.tokens * w.model.hidden_size * w.act_bytes
 
 
 def _host_layer(w: Workload, profile: DeviceProfile) -> float:
@@ -107,11 +121,15 @@ def step_time(w: Workload, profile: DeviceProfile, ranks_per_node: int = 8) -> S
         layer_fwd = max(layer.fwd + sum(lcomm.fwd.values()), host_layer / 3) + sync
         layer_bwd = max(layer.bwd + sum(lcomm.bwd.values()), 2 * host_layer / 3) + 2 * sync
     hidden_host = (layer_fwd + layer_bwd) - (layer.total + lcomm.total)  # the host time not hidden behind work
-    embed = cost.work_seconds(embedding_work(w), profile, w.attention)
-    output = cost.work_seconds(output_work(w), profile, w.attention)
+    embed = cost.work_seconds(embedding_work(w), profile, w.attention, _tensor_bytes(w))
+    # the logits: [T, V / TP] in fp32 through the loss
+    output = cost.work_seconds(output_work(w), profile, w.attention, 4 * w.tokens * w.model.vocab_size / w.tp)
     first_comm, last_comm = comm.edge_comm(w, topo)
     p2p = comm.pp_seconds(w, topo)
     grid = w.layers()
+    # the trainer's per-step reductions over the model-parallel ranks (the loss, the gradient norm twice, the
+    # optimizer's found-inf checks, SP's norm gradients): latency-bound, one link latency each
+    step_collectives = STEP_COLLECTIVES * (topo.intra.latency if w.world > 1 else 0.0)
     stages: list[StageTime] = []
     for s, chunks in enumerate(grid):
         n = sum(chunks)
@@ -146,7 +164,8 @@ def step_time(w: Workload, profile: DeviceProfile, ranks_per_node: int = 8) -> S
         if sync:
             terms["MoE host sync"] = 3 * n * sync
             terms["host overhead"] -= 3 * n * sync
-        optim = optimizer_bytes(w, s) / profile.memory_bandwidth + host.per_step + host.per_layer_step * n
+        state = optimizer_bytes(w, s)
+        optim = state / profile.bandwidth(state / 10) + host.per_step + host.per_layer_step * n + step_collectives
         dp = comm.dp_seconds(w, topo, s, bwd_window=bwd, fwd_window=fwd)
         expert_loss = n * max(0.0, layer.terms.get("expert GEMMs", 0.0) - layer.expert_ideal)
         stages.append(StageTime(s, chunks, fwd, bwd, terms, expert_loss, optim, dp))
