@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from megagate.calibrate.timing import median_seconds
+
 SIZES = (4096, 65536, 1 << 20, 4 << 20)  # bytes per rank
 
 
@@ -48,19 +50,9 @@ def compute_probe() -> tuple[float, float]:
     def tiny():
         layer(x).sum().backward()
 
-    gemm_s = statistics.median(_times(gemm, 7))
-    tiny_s = statistics.median(_times(tiny, 15))
+    gemm_s = median_seconds(gemm, samples=7)
+    tiny_s = median_seconds(tiny, samples=7)
     return 2 * 256 * 512 * 512 / gemm_s, tiny_s
-
-
-def _times(fn, reps: int) -> list[float]:
-    fn()
-    out = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return out
 
 
 def _worker(rank: int, world: int, init_file: str, result_file: str, reps: int) -> None:

@@ -45,8 +45,13 @@ def calibrate(budget_s: float = 110.0, ranks: int = 2, log: Callable[[str], None
     name, kind, memory, gpu = _machine()
     gpu_run = kind == "gpu"
     dtypes = ["bf16"] if gpu_run else ["fp32", "bf16"]
-    samples: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    samples: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__, "load": [os.getloadavg()[0]]}
     notes: list[str] = []
+    if not gpu_run and os.getloadavg()[0] > 1.5 * (os.cpu_count() or 1):
+        log(
+            f"calibrate: the machine is busy (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): "
+            "the profile predicts steps under that load, and its figures are noisy"
+        )
 
     bandwidth, cache_bandwidth, cache_bytes = measure.bandwidth(deadline.share(SHARES["bandwidth"]))
     samples["bandwidth"] = [bandwidth, cache_bandwidth, cache_bytes]
@@ -121,6 +126,7 @@ def calibrate(budget_s: float = 110.0, ranks: int = 2, log: Callable[[str], None
         host, host_notes = _framework(provisional, main, deadline)
         notes += host_notes
     samples["notes"] = notes
+    samples["load"].append(os.getloadavg()[0])
     p = _profile(name, kind, memory, gpu, gemm, grouped, attention, bandwidth, intra, local_ranks, alltoall, host,
                  samples)  # fmt: skip
     log(f"calibrate: done in {deadline.elapsed():.0f} s")

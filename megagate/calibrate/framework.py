@@ -67,7 +67,7 @@ def config(
     return config_reader.from_dict(raw, environment=environment)
 
 
-def time_variants(precision: str, core_attention: str, until: float, reps: int = 5) -> dict[str, dict[int, float]]:
+def time_variants(precision: str, core_attention: str, until: float, reps: int = 7) -> dict[str, dict[int, float]]:
     """{variant: {micro-batches: median step seconds}} of the trainer's step (data fetch included, as
     `megagate train` times it), the variants interleaved so that load changes touch them alike."""
     from megatron.core import parallel_state
@@ -103,19 +103,30 @@ def time_variants(precision: str, core_attention: str, until: float, reps: int =
 
 
 def solve(measured: dict[str, dict[int, float]], modelled: dict[str, dict[int, float]]) -> tuple[dict, list[str]]:
-    """The Host fields from the timings minus the modelled device work (see the module docstring), and notes on
-    what was clamped."""
-    o = {n: {m: measured[n][m] - modelled[n][m] for m in (1, 2)} for n in measured}
-    slope = {n: o[n][2] - o[n][1] for n in o}  # per micro-batch
-    per_layer = slope["dense-2"] - slope["dense-1"]
-    values = {
-        "per_layer": per_layer,
-        "per_microbatch": slope["dense-1"] - per_layer,
-        "per_layer_step": (o["dense-2"][1] - slope["dense-2"]) - (o["dense-1"][1] - slope["dense-1"]),
-        "per_layer_gate": slope["gate-1"] - slope["dense-1"],
-        "per_expert": (slope["moe4-1"] - slope["moe2-1"]) / 2,
-    }
-    values["per_layer_moe"] = slope["moe2-1"] - slope["dense-1"] - 2 * values["per_expert"]
-    values["per_step"] = o["dense-1"][1] - slope["dense-1"] - values["per_layer_step"]
-    notes = [f"host {k} solved as {v * 1e3:.3f} ms (noise): clamped to 0" for k, v in values.items() if v < 0]
-    return {k: max(0.0, v) for k, v in values.items()}, notes
+    """The Host fields from the timings minus the modelled device work (see the module docstring): a non-negative
+    least-squares fit (relative errors) of the ten overheads to the seven fields, and notes on what came out 0."""
+    from megagate.plan.curves import nonnegative_least_squares
+
+    names = [
+        "per_step",
+        "per_layer_step",
+        "per_microbatch",
+        "per_layer",
+        "per_layer_gate",
+        "per_layer_moe",
+        "per_expert",
+    ]
+    rows, seconds = [], []
+    for name, by_m in measured.items():
+        v = VARIANTS[name]
+        layers, gate, experts = v["num_layers"], float("gate" in v), v.get("num_experts", 0)
+        for m, t in by_m.items():
+            overhead = t - modelled[name][m]
+            if overhead <= 0:
+                continue  # the model alone exceeds the measurement: no overhead to learn from this timing
+            rows.append([1, layers, m, m * layers, m * layers * gate, m * layers * bool(experts), m * layers * experts])
+            seconds.append(overhead)
+    coef, _ = nonnegative_least_squares(rows, seconds)
+    values = dict(zip(names, coef))
+    notes = [f"host {k} fitted as 0 (noise, or nothing to measure)" for k, v in values.items() if v == 0]
+    return values, notes

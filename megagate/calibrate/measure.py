@@ -150,6 +150,6 @@ def attention_samples(kernel: str, dtype: str, until: float) -> list[tuple[int, 
         def bwd(o, grad=grad):
             o.backward(grad)
 
-        f, bw = paired_median(fwd, bwd, reps=3 if time.perf_counter() > until else 5)
+        f, bw = paired_median(fwd, bwd, samples=3 if time.perf_counter() > until else 5)
         out.append((b, heads, s, d, f, bw))
     return out

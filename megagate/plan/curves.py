@@ -13,7 +13,7 @@ from megagate.plan.profile import AttentionCurve, Curve, Link
 HALVES = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0)
 
 
-def _least_squares(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> tuple[list[float], float]:
+def nonnegative_least_squares(rows: Sequence[Sequence[float]], seconds: Sequence[float]) -> tuple[list[float], float]:
     """Non-negative coefficients c minimising sum((row . c / t - 1)^2), and that sum (a small active-set solve: a
     coefficient that comes out negative is dropped and the rest refitted)."""
     n = len(rows[0])
@@ -59,7 +59,7 @@ def fit_gemm(samples: Sequence[tuple[float, float, float, float]]) -> tuple[Curv
         for m, n, k, _ in samples:
             slow = (1 + half / m) * (1 + half / n) * (1 + half / k)
             rows.append([1.0, 2.0 * m * n * k * slow])
-        (latency, inverse), error = _least_squares(rows, seconds)
+        (latency, inverse), error = nonnegative_least_squares(rows, seconds)
         if inverse <= 0:
             continue
         if best is None or error < best[0]:
@@ -83,8 +83,8 @@ def fit_attention(
         rows_b.append([1.0, flops] + ([2 * scores] if unfused else []))
         t_f.append(fwd)
         t_b.append(bwd)
-    (lat_f, inv_f, *sb_f), err_f = _least_squares(rows_f, t_f)
-    (_, inv_b, *_), err_b = _least_squares(rows_b, t_b)
+    (lat_f, inv_f, *sb_f), err_f = nonnegative_least_squares(rows_f, t_f)
+    (_, inv_b, *_), err_b = nonnegative_least_squares(rows_b, t_b)
     inv_f = inv_f or 1e-15
     curve = AttentionCurve(
         rate=1.0 / inv_f,
@@ -99,5 +99,5 @@ def fit_attention(
 def fit_link(samples: Sequence[tuple[float, float]]) -> tuple[Link, float]:
     """A link from (bytes moved per rank, seconds) samples of collectives, and its RMS relative error."""
     rows = [[1.0, b] for b, _ in samples]
-    (latency, inverse), error = _least_squares(rows, [t for _, t in samples])
+    (latency, inverse), error = nonnegative_least_squares(rows, [t for _, t in samples])
     return Link(latency, 1.0 / inverse if inverse > 0 else 1e12), (error / len(samples)) ** 0.5

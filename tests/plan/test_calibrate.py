@@ -15,7 +15,8 @@ from megagate.plan import profile as profile_mod
 
 def test_overheads_solve_the_hand_made_step_times() -> None:
     """Timings built from known overheads (ms): per step 5, per layer and step 0.5, per micro-batch 3, per layer 2,
-    gate 0.25, MoE block 1, per expert 0.4; the modelled work (1 ms per layer and micro-batch) is subtracted."""
+    gate 0.25, MoE block 1, per expert 0.4; the modelled work (1 ms per layer and micro-batch) is subtracted; the
+    non-negative least-squares fit of the ten timings gives them back."""
     truth = dict(per_step=5, per_layer_step=0.5, per_microbatch=3, per_layer=2, per_layer_gate=0.25,
                  per_layer_moe=1, per_expert=0.4)  # fmt: skip
 
@@ -38,10 +39,11 @@ def test_overheads_solve_the_hand_made_step_times() -> None:
     values, notes = framework.solve(measured, modelled)
     assert notes == []
     for k, v in truth.items():
-        assert values[k] == pytest.approx(v), k
-    measured["dense-2"][2] -= 10  # noise that makes a solve negative: clamped, and said
+        assert values[k] == pytest.approx(v, rel=1e-6), k
+    # noise that would make an exact solve negative: the non-negative fit keeps every field >= 0 and says which are 0
+    measured["dense-2"][2] -= 15
     values, notes = framework.solve(measured, modelled)
-    assert values["per_layer"] == 0.0 and any("per_layer" in n for n in notes)
+    assert min(values.values()) >= 0 and notes and all("fitted as 0" in n for n in notes)
 
 
 @pytest.mark.slow
