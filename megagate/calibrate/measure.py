@@ -138,7 +138,8 @@ def attention_samples(kernel: str, dtype: str, until: float) -> list[tuple[int, 
             max_sequence_length=s,
             gate=gates.preset("baseline"),
         )
-        config = transformer_config(model, params_dtype=dt, use_cpu=dev.type != "cuda")
+        # the unfused softmax: megatron's fused kernel needs apex's scaled_masked_softmax_cuda
+        config = transformer_config(model, params_dtype=dt, use_cpu=dev.type != "cuda", masked_softmax_fusion=False)
         cls = SDPACoreAttention if kernel == "sdpa" else DotProductAttention
         module = cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self").to(dev)
         q, k, v = (torch.randn(s, b, heads, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
