@@ -126,6 +126,8 @@ def solve(measured: dict[str, dict[int, float]], modelled: dict[str, dict[int, f
                 continue  # the model alone exceeds the measurement: no overhead to learn from this timing
             rows.append([1, layers, m, m * layers, m * layers * gate, m * layers * bool(experts), m * layers * experts])
             seconds.append(overhead)
+    if not rows:  # the modelled work alone exceeds every timing (a machine too busy to measure): no overheads
+        return dict.fromkeys(names, 0.0), ["host overheads not measured: the modelled work exceeds every timing"]
     coef, _ = nonnegative_least_squares(rows, seconds)
     values = dict(zip(names, coef))
     notes = [f"host {k} fitted as 0 (noise, or nothing to measure)" for k, v in values.items() if v == 0]
