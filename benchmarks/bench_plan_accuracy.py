@@ -1,13 +1,17 @@
 """The planner's predicted step time against `megagate train`'s measured one, on this machine, in one run.
 
-    .venv/bin/python benchmarks/bench_plan_accuracy.py [--rounds 2] [--steps 14] [--warmup 4] [--budget-s 90]
+    .venv/bin/python benchmarks/bench_plan_accuracy.py [--rounds 2] [--steps 20] [--warmup 4] [--budget-s 90]
+                                                       [--threads 1]
 
 Each round: `megagate calibrate` writes a device profile of this machine (measured now), then every configuration
 below is trained with `megagate train` (a real process, `torchrun --nproc-per-node 2` for the TP=2 one, mock data)
 and planned with `megagate plan --profile` on that round's profile. Measured = the median of the step times the
 trainer logs (metrics.jsonl `step_time`) after the warm-up steps; predicted = the plan's step seconds. Rounds
 interleave calibration and training, so a machine shared with other work loads both alike; the load average is
-printed beside every figure. No assertions: it prints predicted vs measured side by side, and the error.
+printed beside every figure. Calibration and training run with `--threads` threads per process (OMP_NUM_THREADS;
+torchrun's ranks too): 1 by default, because on a machine shared with other work a 2-thread OpenMP region waits for
+its descheduled second thread and turns every figure into noise; on a quiet machine `--threads 2` plans the
+default single-process run. No assertions: it prints predicted vs measured side by side, and the error.
 """
 
 from __future__ import annotations
@@ -82,7 +86,11 @@ def overrides(name: str, steps: int, out: str) -> tuple[int, list[str]]:
                    f"output.dir={out}"]  # fmt: skip
 
 
-def train(name: str, steps: int, warmup: int, work: str) -> tuple[float, list[float]]:
+def environment(threads: int) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads)}
+
+
+def train(name: str, steps: int, warmup: int, work: str, threads: int) -> tuple[float, list[float]]:
     """(median step seconds after `warmup` steps, all logged step times) of a real `megagate train`."""
     out = f"{work}/{name.replace(' ', '_')}-{time.time_ns()}"
     ranks, over = overrides(name, steps, out)
@@ -92,7 +100,9 @@ def train(name: str, steps: int, warmup: int, work: str) -> tuple[float, list[fl
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                "-m", "megagate", "train", "--config", config, *over]  # fmt: skip
-    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        cmd, check=True, cwd=REPO, env=environment(threads), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     times = []
     with open(f"{out}/metrics.jsonl", encoding="utf-8") as f:
         for line in f:
@@ -115,14 +125,15 @@ def predict(name: str, profile_path: str, steps: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=14, help="training steps per run")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per run")
     parser.add_argument("--warmup", type=int, default=4, help="logged steps left out of the median")
     parser.add_argument("--budget-s", type=float, default=90.0, help="calibration budget per round")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--threads", type=int, default=1, help="threads per process (OMP_NUM_THREADS)")
     args = parser.parse_args()
     import torch
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; {load()}")
+    print(f"torch {torch.__version__}, {args.threads} threads per process, {os.cpu_count()} CPUs; {load()}")
     rows: dict[str, list[tuple[float, float, str]]] = {n: [] for n in args.configs}
     with tempfile.TemporaryDirectory() as work:
         for r in range(args.rounds):
@@ -132,13 +143,14 @@ def main() -> int:
                 [sys.executable, "-m", "megagate", "calibrate", "--out", profile, "--budget-s", str(args.budget_s)],
                 check=True,
                 cwd=REPO,
+                env=environment(args.threads),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
             print(f"round {r + 1}: calibrated in {time.perf_counter() - start:.0f} s ({load()})")
             order = args.configs[r % len(args.configs) :] + args.configs[: r % len(args.configs)]
             for name in order:
-                measured, _ = train(name, args.steps, args.warmup, work)
+                measured, _ = train(name, args.steps, args.warmup, work, args.threads)
                 predicted = predict(name, profile, args.steps)
                 rows[name].append((predicted, measured, load()))
                 print(f"  {name:26s} predicted {predicted * 1e3:8.1f} ms  measured {measured * 1e3:8.1f} ms  "
