@@ -149,6 +149,7 @@ def to_dict(p: Plan) -> dict[str, Any]:
                     "fwd_s_per_microbatch": s.fwd,
                     "bwd_s_per_microbatch": s.bwd,
                     "optimizer_s": s.optimizer,
+                    "step_host_s": s.step_host,
                     "dp_exposed_s": sum(s.dp.values()),
                 }
                 for s in st.stages

@@ -41,8 +41,10 @@ class StageTime:
     bwd: float
     terms: dict[str, float]  # per micro-batch, forward + backward
     expert_loss: float  # per micro-batch: expert GEMM seconds beyond the large-GEMM rate
-    optimizer: float  # per step
+    optimizer: float  # per step: the optimizer's memory-bound work
     dp: dict[str, float]  # exposed data-parallel communication per step
+    step_host: float = 0.0  # per step: the host's per-step and per-layer-and-step overheads
+    step_reductions: float = 0.0  # per step: the trainer's latency-bound reductions over several ranks
 
     @property
     def work(self) -> float:
@@ -165,10 +167,11 @@ def step_time(w: Workload, profile: DeviceProfile, ranks_per_node: int = 8) -> S
             terms["MoE host sync"] = 3 * n * sync
             terms["host overhead"] -= 3 * n * sync
         state = optimizer_bytes(w, s)
-        optim = state / profile.bandwidth(state / 10) + host.per_step + host.per_layer_step * n + step_collectives
+        optim = state / profile.bandwidth(state / 10)
+        step_host = host.per_step + host.per_layer_step * n
         dp = comm.dp_seconds(w, topo, s, bwd_window=bwd, fwd_window=fwd)
         expert_loss = n * max(0.0, layer.terms.get("expert GEMMs", 0.0) - layer.expert_ideal)
-        stages.append(StageTime(s, chunks, fwd, bwd, terms, expert_loss, optim, dp))
+        stages.append(StageTime(s, chunks, fwd, bwd, terms, expert_loss, optim, dp, step_host, step_collectives))
     m = w.microbatches
     pipe = schedule.pipeline_seconds([st.work for st in stages], m, w.chunks)
     b = max(range(len(stages)), key=lambda i: stages[i].work)
@@ -178,9 +181,11 @@ def step_time(w: Workload, profile: DeviceProfile, ranks_per_node: int = 8) -> S
     scale = m * slow.work / max(sum(terms.values()), 1e-30)
     terms = {k: v * scale for k, v in terms.items()}
     terms["pipeline bubble"] = pipe - m * slow.work
-    after = max(stages, key=lambda st: st.optimizer + sum(st.dp.values()))
+    after = max(stages, key=lambda st: st.optimizer + st.step_host + st.step_reductions + sum(st.dp.values()))
     terms.update({k: v for k, v in after.dp.items() if v})
     terms["optimizer step"] = after.optimizer
+    terms["host overhead"] = terms.get("host overhead", 0.0) + after.step_host
+    terms["DP/TP step reductions"] = after.step_reductions
     st = StepTime({k: v for k, v in terms.items() if v > 0 or k == "pipeline bubble"}, stages, b)
     total = st.total
     exposed = sum(v for k, v in st.terms.items() if k.startswith(("DP", *COMM_KINDS)))
