@@ -30,30 +30,38 @@ VERBOSE_ENV = "MEGAGATE_VERBOSE"
 
 @dataclass(frozen=True)
 class Notice:
-    """One known, harmless third-party notice."""
+    """One known, harmless third-party notice: `text` as printed, matched exactly unless `pattern` (a regular
+    expression for the whole message) names the parts that vary."""
 
     kind: str  # "warning" (warnings.warn), "log" (a logging record) or "stdout" (a native library's line)
     source: str  # warning: the module it is attributed to; log: the logger's name; stdout: the library
-    message: str  # a regular expression matching the whole message
+    text: str
     why: str
     category: type[Warning] = UserWarning  # warnings only
+    pattern: str | None = None
+
+    @property
+    def regex(self) -> str:
+        return self.pattern if self.pattern is not None else re.escape(self.text)
 
 
-def _exact(text: str) -> str:
-    return re.escape(text)
-
-
+_GRAD = (
+    "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. Its .grad attribute won't be "
+    "populated during autograd.backward(). If you indeed want the .grad field to be populated for a non-leaf Tensor, "
+    "use .retain_grad() on the non-leaf Tensor. If you access the non-leaf Tensor by mistake, make sure you access the "
+    "leaf Tensor instead. See github.com/pytorch/pytorch/pull/30531 for more information."
+)
 _TE_APEX = "Transformer Engine and Apex are not installed. Falling back to "
 _NO_APEX = "optional dependency: megatron's fallback is the path megagate runs without TE/Apex"
 _DCP = "torch.distributed.checkpoint as megatron's dist_checkpointing calls it (0.19 on torch 2.9); loads are exact"
 NOTICES: tuple[Notice, ...] = (
     # optional dependencies absent (CPU machines, GPU machines without TE/Apex)
-    Notice("warning", "megatron.core.optimizer", _exact(_TE_APEX + "Torch optimizers."), _NO_APEX),
+    Notice("warning", "megatron.core.optimizer", _TE_APEX + "Torch optimizers.", _NO_APEX),
     *(
         Notice(
             "warning",
             module,
-            _exact(_TE_APEX + "local implementations of multi_tensor_applier and multi_tensor_scale"),
+            (_TE_APEX + "local implementations of multi_tensor_applier and multi_tensor_scale"),
             _NO_APEX,
         )
         for module in (
@@ -64,30 +72,31 @@ NOTICES: tuple[Notice, ...] = (
     Notice(
         "warning",
         "megatron.core.optimizer.clip_grads",
-        _exact(_TE_APEX + "local implementations of multi_tensor_applier, multi_tensor_l2norm, and multi_tensor_scale"),
+        (_TE_APEX + "local implementations of multi_tensor_applier, multi_tensor_l2norm, and multi_tensor_scale"),
         _NO_APEX,
     ),
     *(
-        Notice("warning", module, _exact("Apex is not installed. Falling back to Torch Norm"), _NO_APEX)
+        Notice("warning", module, ("Apex is not installed. Falling back to Torch Norm"), _NO_APEX)
         for module in ("megatron.core.models.backends", "megatron.core.models.gpt.gpt_layer_specs")
     ),
     Notice(
         "log",
         "torch.utils.cpp_extension",
-        r"No CUDA runtime is found, using CUDA_HOME='[^']*'",
+        "No CUDA runtime is found, using CUDA_HOME='/usr/local'",
         "optional dependency: no CUDA on a CPU machine; torch's C++-extension helper is never used",
+        pattern=r"No CUDA runtime is found, using CUDA_HOME='[^']*'",
     ),
     # megatron-core 0.19's notices about its own API transitions, printed whatever the run's settings
     Notice(
         "warning",
         "megatron.core.transformer.transformer_config",
-        _exact("full scope is deprecated. Use empty cuda_graph_modules to capture the whole layer."),
+        "full scope is deprecated. Use empty cuda_graph_modules to capture the whole layer.",
         "a default of megatron's TransformerConfig; megagate sets no CUDA-graph scope",
     ),
     Notice(
         "warning",
         "megatron.core.models.mimo.config.base_configs",
-        _exact(
+        (
             "MimoModelConfig is experimental and still under active development. The API may change without "
             "notice in future releases."
         ),
@@ -96,7 +105,7 @@ NOTICES: tuple[Notice, ...] = (
     Notice(
         "log",
         "megatron.core.models.gpt.gpt_model",
-        _exact(
+        (
             "GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes, no new features. Please "
             "reference the migration guide `docs/user-guide/hybrid-model-migration.md` for details on how to "
             "use `HybridModel`"
@@ -106,7 +115,7 @@ NOTICES: tuple[Notice, ...] = (
     Notice(
         "log",
         "megatron.core.distributed.distributed_data_parallel",
-        _exact(
+        (
             "DistributedDataParallel: full_param_layout not provided with use_distributed_optimizer=True. "
             "Auto-computing layout inside DDP. Callers should pre-compute layouts via "
             "DistributedOptimizer.compute_full_param_layout() and pass them in."
@@ -116,7 +125,7 @@ NOTICES: tuple[Notice, ...] = (
     Notice(
         "log",
         "megatron.core.dist_checkpointing.strategies.torch",
-        _exact(
+        (
             "MCore's async save is deprecated and will be removed in the future releases. Please, use NVRx "
             "async solution by setting `async_strategy` to `nvrx`."
         ),
@@ -125,27 +134,21 @@ NOTICES: tuple[Notice, ...] = (
     Notice(
         "warning",
         "megatron.core.optimizer.optimizer",
-        _exact(
-            "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. Its .grad attribute "
-            "won't be populated during autograd.backward(). If you indeed want the .grad field to be populated "
-            "for a non-leaf Tensor, use .retain_grad() on the non-leaf Tensor. If you access the non-leaf "
-            "Tensor by mistake, make sure you access the leaf Tensor instead. See "
-            "github.com/pytorch/pytorch/pull/30531 for more information."
-        )
-        + r"( \(Triggered internally at [^)]*\))?",
+        _GRAD + " (Triggered internally at /pytorch/build/aten/src/ATen/core/TensorBody.h:489.)",
         "megatron's zero_grad looks at .grad of the distributed optimizer's shard views; gradients live in its buffers",
+        pattern=re.escape(_GRAD) + r"( \(Triggered internally at [^)]*\))?",
     ),
     Notice(
         "warning",
         "megatron.core._rank_utils",
-        _exact("Could not determine rank from torch.distributed, RANK, or SLURM_PROCID. Defaulting to rank 0."),
+        "Could not determine rank from torch.distributed, RANK, or SLURM_PROCID. Defaulting to rank 0.",
         "eval builds megatron's sample indices before its process group starts (rank 0 is right)",
     ),
     # torch.distributed.checkpoint on resume / evaluation / export (loading megatron's dist_checkpointing format)
     Notice(
         "warning",
         "torch.distributed.checkpoint.state_dict_loader",
-        _exact(
+        (
             "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a "
             "single process."
         ),
@@ -154,14 +157,14 @@ NOTICES: tuple[Notice, ...] = (
     Notice(
         "warning",
         "torch.distributed.checkpoint.utils",
-        _exact("The argument order of load has been changed. Please check the document to avoid future breakages."),
+        "The argument order of load has been changed. Please check the document to avoid future breakages.",
         _DCP,
     ),
     *(
         Notice(
             "warning",
             module,
-            _exact("Please use DTensor instead and we are deprecating ShardedTensor."),
+            "Please use DTensor instead and we are deprecating ShardedTensor.",
             _DCP + ": megatron's checkpoints are ShardedTensors",
             FutureWarning,
         )
@@ -172,9 +175,9 @@ NOTICES: tuple[Notice, ...] = (
     Notice(
         "stdout",
         "gloo",
-        r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of connected "
-        r"peer ranks is : \1",
+        "[Gloo] Rank 0 is connected to 0 peer ranks. Expected number of connected peer ranks is : 0",
         "gloo's connection count of every process group it creates, all connected",
+        pattern=r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of connected peer ranks is : \1",
     ),
 )
 
@@ -214,12 +217,12 @@ def install() -> None:
             # message and module are matched from their start: \Z makes both whole-string matches
             warnings.filterwarnings(
                 "ignore",
-                message=notice.message + r"\Z",
+                message=notice.regex + r"\Z",
                 category=notice.category,
                 module=re.escape(notice.source) + r"\Z",
             )
         elif notice.kind == "log":
-            by_logger.setdefault(notice.source, []).append(re.compile(notice.message))
+            by_logger.setdefault(notice.source, []).append(re.compile(notice.regex))
     for name, patterns in by_logger.items():
         log_filter = _LogNoticeFilter(patterns)
         logging.getLogger(name).addFilter(log_filter)
@@ -236,7 +239,7 @@ def uninstall() -> None:
     _installed = False
 
 
-_STDOUT = [re.compile(n.message) for n in NOTICES if n.kind == "stdout"]
+_STDOUT = [re.compile(n.regex) for n in NOTICES if n.kind == "stdout"]
 
 
 def is_native_notice(line: str) -> bool:
