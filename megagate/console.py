@@ -1,11 +1,15 @@
-"""The console: the third-party notices that are known and harmless, filtered in this one place.
+"""What a run prints: `log` once per job (global rank 0), `warn` as one `warning:` line on stderr; and what the
+third-party libraries print that is known and harmless, filtered in this one place.
 
-megatron-core, torch and gloo announce optional libraries that are absent (Transformer Engine, Apex, a CUDA
-runtime), their own API transitions and deprecations, and connection counts, on every run; none of it is about the
-user's run, and a user reads it as a problem. `NOTICES` lists each one: where it comes from (the module a warning is
-attributed to, a logger's name, or gloo's C++ output), the whole message (a regular expression that must match all
-of it, so a changed or new message still shows), and why it is harmless. Nothing of megagate's own is in the list,
-and nothing is filtered by category or module alone.
+Layer 0: any module may import it. torch is not imported for a print: a process that has not imported torch has
+no process group either, and prints as rank 0.
+
+The known notices. megatron-core, torch and gloo announce optional libraries that are absent (Transformer Engine,
+Apex, a CUDA runtime), their own API transitions and deprecations, and connection counts, on every run; none of it
+is about the user's run, and a user reads it as a problem. `NOTICES` lists each one: where it comes from (the module
+a warning is attributed to, a logger's name, or gloo's C++ output), the whole message (exact, or a regular
+expression naming the parts that vary, so a changed or new message still shows), and why it is harmless. Nothing
+of megagate's own is in the list, and nothing is filtered by category or module alone.
 
 `install()` (called by `megagate.cli.main` before any command runs) adds a `warnings` filter per warning and a
 `logging.Filter` per logger record; `native_stdout_filtered()` wraps the calls that create gloo process groups
@@ -24,8 +28,31 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 VERBOSE_ENV = "MEGAGATE_VERBOSE"
+
+
+def _global_rank0() -> bool:
+    if "torch" not in sys.modules:
+        return True
+    from megagate.distributed.utils import is_global_rank0
+
+    return is_global_rank0()
+
+
+def log(message: str, *, file: Any = None) -> None:
+    """Print `message` once per job (on global rank 0), flushed; `file` defaults to stdout."""
+    if _global_rank0():
+        print(message, file=sys.stdout if file is None else file, flush=True)
+
+
+def warn(message: str) -> None:
+    """`warning: message` on stderr, once per job."""
+    log(f"warning: {message}", file=sys.stderr)
+
+
+# --- the known third-party notices ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from typing import Any
 
 from megagate.errors import ConfigError
 from megagate.model import position
-from megagate.model.config import ModelConfig
+from megagate.model.model_config import ModelConfig
 
 # The keys of each rope_type megagate reads (besides rope_type / its old name type).
 KEYS = {

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megagate.model.config import ModelConfig
+from megagate.model.model_config import ModelConfig
 from megagate.model.position import rotated_dims
 
 

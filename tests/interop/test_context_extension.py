@@ -72,7 +72,7 @@ def test_transformers_loads_the_extension_and_computes_its_logits_beyond_the_ori
 ):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megagate.train.load import load_model_for_analysis
+    from megagate.commands.analyze import load_model_for_analysis
 
     config = json.loads((exported / "config.json").read_text())
     assert config["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": SHORT}

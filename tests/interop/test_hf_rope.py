@@ -201,14 +201,16 @@ def test_rope_scaling_that_megagate_cannot_hold_is_one_line(scaling, message):
 def test_two_scalings_at_once_are_refused_by_export(tmp_path, megatron_world, capsys):
     """Linear interpolation and Llama-3 scaling together (megatron builds both; an HF config holds one): `megagate
     export` refuses in one line naming the setting, exit 2, nothing written."""
-    from megagate.interop.hf_io import build_model, model_state, write_checkpoint
+    from megagate.interop.hf_io import model_from_state, model_state, write_checkpoint
 
     from .test_export_import import _random_model
 
     both = dataclasses.replace(scaled_config("qwen3", "llama3"), rotary_interpolation_factor=2.0)
     with pytest.raises(ConfigError, match="rotary_interpolation_factor=2.0 with model.rope_scaling=true"):
         hf.hf_config(both, "qwen3")
-    write_checkpoint(build_model(both, model_state(_random_model(both))), both, tmp_path / "ck", log=lambda m: None)
+    write_checkpoint(
+        model_from_state(both, model_state(_random_model(both))), both, tmp_path / "ck", log=lambda m: None
+    )
     capsys.readouterr()
     rc = main(["export", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")])
     err = capsys.readouterr().err
