@@ -279,11 +279,14 @@ def native_stdout_filtered() -> Iterator[None]:
     """Run a block whose native code writes notices straight to file descriptor 1 (gloo, when it creates a
     process group): fd 1 goes to a temporary file meanwhile, and every line that is not a known notice is written
     to stdout afterwards, in order. Python's own prints inside the block are kept the same way."""
-    if verbose():
+    try:
+        saved = -1 if verbose() else os.dup(1)
+    except OSError:  # no file descriptor 1 (a daemonised process): nothing to filter
+        saved = -1
+    if saved < 0:
         yield
         return
     sys.stdout.flush()
-    saved = os.dup(1)
     with tempfile.TemporaryFile() as held:
         os.dup2(held.fileno(), 1)
         try:
