@@ -66,6 +66,7 @@ class Notice:
     why: str
     category: type[Warning] = UserWarning  # warnings only
     pattern: str | None = None
+    cpu_only: bool = False  # harmless only when the run is on CPU (filtered once a gloo world starts: install_cpu)
 
     @property
     def regex(self) -> str:
@@ -171,6 +172,19 @@ NOTICES: tuple[Notice, ...] = (
         "Could not determine rank from torch.distributed, RANK, or SLURM_PROCID. Defaulting to rank 0.",
         "eval builds megatron's sample indices before its process group starts (rank 0 is right)",
     ),
+    # a CUDA tuning hint of megatron's tensor-parallel layers: meaningless on CPU, a real hint on a GPU (where
+    # megagate's Slurm scripts set CUDA_DEVICE_MAX_CONNECTIONS=1 and it does not appear)
+    *(
+        Notice(
+            "warning",
+            "megatron.core.tensor_parallel.layers",
+            f"When using {what} it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1 "
+            "for maximum speedup",
+            "a CUDA stream setting; a CPU run (gloo) has no CUDA streams",
+            cpu_only=True,
+        )
+        for what in ("async grad allreduce", "sequence parallelism")
+    ),
     # torch.distributed.checkpoint on resume / evaluation / export (loading megatron's dist_checkpointing format)
     Notice(
         "warning",
@@ -231,15 +245,12 @@ class _LogNoticeFilter(logging.Filter):
 
 _log_filters: list[tuple[str, _LogNoticeFilter]] = []
 _installed = False
+_installed_cpu = False
 
 
-def install() -> None:
-    """Filter the known notices of `NOTICES` in this process (nothing when verbose; idempotent)."""
-    global _installed
-    if verbose() or _installed:
-        return
+def _filter(notices: list[Notice]) -> None:
     by_logger: dict[str, list[re.Pattern[str]]] = {}
-    for notice in NOTICES:
+    for notice in notices:
         if notice.kind == "warning":
             # message and module are matched from their start: \Z makes both whole-string matches
             warnings.filterwarnings(
@@ -254,16 +265,33 @@ def install() -> None:
         log_filter = _LogNoticeFilter(patterns)
         logging.getLogger(name).addFilter(log_filter)
         _log_filters.append((name, log_filter))
+
+
+def install() -> None:
+    """Filter the known notices of `NOTICES` in this process (nothing when verbose; idempotent)."""
+    global _installed
+    if verbose() or _installed:
+        return
+    _filter([n for n in NOTICES if not n.cpu_only])
     _installed = True
+
+
+def install_cpu() -> None:
+    """Also filter the notices harmless on CPU only: called where a gloo (CPU) world starts, after `install`."""
+    global _installed_cpu
+    if verbose() or not _installed or _installed_cpu:
+        return
+    _filter([n for n in NOTICES if n.cpu_only])
+    _installed_cpu = True
 
 
 def uninstall() -> None:
     """Remove the logging filters `install` added (tests: the warnings filters go with their catch_warnings)."""
-    global _installed
+    global _installed, _installed_cpu
     for name, log_filter in _log_filters:
         logging.getLogger(name).removeFilter(log_filter)
     _log_filters.clear()
-    _installed = False
+    _installed = _installed_cpu = False
 
 
 _STDOUT = [re.compile(n.regex) for n in NOTICES if n.kind == "stdout"]

@@ -20,13 +20,18 @@ WARNINGS = [n for n in console.NOTICES if n.kind == "warning"]
 LOGS = [n for n in console.NOTICES if n.kind == "log"]
 
 
-def _shown(notice: console.Notice, *, text: str | None = None, module: str | None = None, category=None) -> bool:
-    """Whether `warnings` shows the warning (the filters as console.install() leaves them)."""
+def _shown(
+    notice: console.Notice, *, text: str | None = None, module: str | None = None, category=None, cpu: bool = True
+) -> bool:
+    """Whether `warnings` shows the warning (the filters as console.install() leaves them, and install_cpu() where
+    a gloo world starts)."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.resetwarnings()
         warnings.simplefilter("always")
         console.uninstall()
         console.install()
+        if cpu:
+            console.install_cpu()
         warnings.warn_explicit(
             text if text is not None else notice.text,
             category or notice.category,
@@ -55,6 +60,14 @@ def test_each_listed_warning_is_filtered_exactly(notice):
     assert _shown(notice, text=notice.text.replace(" ", "  ", 1))
     assert _shown(notice, category=RuntimeWarning)
     assert _shown(notice, module=notice.source + ".sub")
+
+
+def test_cpu_only_notices_show_on_gpu_runs():
+    """A CUDA tuning hint is filtered once a CPU (gloo) world starts, never before (a GPU run keeps it)."""
+    cpu_only = [n for n in WARNINGS if n.cpu_only]
+    assert cpu_only
+    for notice in cpu_only:
+        assert _shown(notice, cpu=False) and not _shown(notice, cpu=True)
 
 
 def _log_shown(logger: str, text: str) -> bool:

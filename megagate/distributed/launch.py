@@ -381,6 +381,8 @@ def init_process_group(
     if not dist.is_initialized():
         from megagate import console
 
+        if backend == "gloo":
+            console.install_cpu()
         with console.native_stdout_filtered():  # gloo prints a line per process group it creates
             dist.init_process_group(
                 backend=backend,

@@ -37,6 +37,8 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> Non
 def init_distributed(rank: int, world_size: int, init_file: str, backend: str | None = None) -> None:
     """torch.distributed over a shared file (tests, single-host runs); gloo without CUDA."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "gloo":
+        console.install_cpu()
     with console.native_stdout_filtered():
         torch.distributed.init_process_group(
             backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
