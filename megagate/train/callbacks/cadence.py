@@ -67,7 +67,8 @@ class Evaluation(Callback):
 
 class Checkpointing(Callback):
     """A checkpoint every checkpoint.interval steps and at the end of every launch that trained (completed, stopped
-    by a signal or the wall-time limit, or aborted by a callback), so a rerun of the same command resumes."""
+    by a signal or the wall-time limit, or aborted by a callback), so a rerun of the same command resumes; none at
+    the end with checkpoint.save_final=false."""
 
     def __init__(self) -> None:
         self.saved_step: int | None = None
@@ -87,7 +88,8 @@ class Checkpointing(Callback):
     def save_final(self, trainer: Trainer) -> None:
         """The end-of-launch checkpoint (once; Evaluation asks for it before the final validation)."""
         # trainer.step == start_step: the latest checkpoint already holds this state (or no step ran)
-        if trainer.step > trainer.start_step and self.saved_step != trainer.step:
+        wanted = trainer.cfg.checkpoint.save_final
+        if wanted and trainer.step > trainer.start_step and self.saved_step != trainer.step:
             trainer.save_checkpoint()
             self.saved_step = trainer.step
 
@@ -96,6 +98,8 @@ class Checkpointing(Callback):
         if trainer.stop_reason is not None and trainer.error is None:
             if self.saved_step == trainer.step:
                 saved = "checkpoint saved"
+            elif not trainer.cfg.checkpoint.save_final:
+                saved = "no checkpoint at the end (checkpoint.save_final=false)"
             elif trainer.step == 0:
                 saved = "no step was trained, nothing to save"
             else:
