@@ -15,6 +15,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from megagate import extensions
 from megagate.errors import ConfigError
 from megagate.sections import check_choice as _choice
 
@@ -48,6 +49,7 @@ class Device:
     capability: tuple[int, int] | None = None  # CUDA compute capability
     deep_ep: bool | None = None  # DeepEP (the flex dispatcher's backend) imports
     apex: bool | None = None  # apex's fused_weight_gradient_mlp_cuda (gradient-accumulation fusion) imports
+    softmax_kernels: bool | None = None  # megatron's fused softmax kernels (apex's CUDA extensions) import
 
     @classmethod
     def detect(cls) -> Device:
@@ -66,7 +68,8 @@ class Device:
             te=gpu and transformer_engine_available(),
             capability=tuple(torch.cuda.get_device_capability()) if gpu else None,
             deep_ep=importlib.util.find_spec("deep_ep") is not None,
-            apex=importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+            apex=extensions.available(extensions.GRADIENT_ACCUMULATION),
+            softmax_kernels=extensions.available(extensions.FUSED_SOFTMAX),
         )
 
     @classmethod
@@ -116,6 +119,11 @@ class ResolvedPerf:
     fp8_format: str | None  # None: no FP8
     moe_router_padding_for_fp8: bool
     cpu_off: tuple[str, ...] = ()  # the GPU settings the CPU switched off
+    gpu_off: tuple[str, ...] = ()  # GPU defaults off on this GPU because their kernels are missing: one reason each
+
+    def gpu_line(self) -> str | None:
+        """The one line a GPU run prints when a GPU default is off for a missing kernel (None when none is)."""
+        return f"perf: on this GPU: {'; '.join(self.gpu_off)}" if self.gpu_off else None
 
     def cpu_line(self) -> str | None:
         """The one line a CPU run prints (None when nothing was switched off)."""
@@ -166,6 +174,8 @@ class ResolvedPerf:
             lines.append(f"perf fp8: format {self.fp8_format}")
         if self.cpu_off:
             lines.append(self.cpu_line() or "")
+        if self.gpu_off:
+            lines.append(self.gpu_line() or "")
         return lines
 
 
@@ -199,7 +209,8 @@ def resolve_perf(cfg: TrainConfig, device: Device) -> ResolvedPerf:
         bias_dropout_fusion=auto(p.bias_dropout_fusion, True),
         # TE's fused RoPE kernel; YaRN's scaled frequencies go through megatron's unfused path
         apply_rope_fusion=auto(p.apply_rope_fusion, backend_te and m.position_embedding == "rope"),
-        masked_softmax_fusion=auto(p.masked_softmax_fusion, True),
+        # megatron imports apex's softmax kernels whenever this is on (megagate.extensions): off where they are absent
+        masked_softmax_fusion=auto(p.masked_softmax_fusion, device.softmax_kernels is not False),
         cross_entropy_loss_fusion=auto(p.cross_entropy_loss_fusion, True),
         # the output layer is megatron's own ColumnParallelLinear: it needs apex's kernel even under TE
         gradient_accumulation_fusion=auto(p.gradient_accumulation_fusion, device.apex is not False),
@@ -211,6 +222,7 @@ def resolve_perf(cfg: TrainConfig, device: Device) -> ResolvedPerf:
     modules = None if p.recompute_modules is None else tuple(p.recompute_modules)
     dtypes = {name: getattr(p, name) for name in OPTIMIZER_DTYPES}
     cpu_off: list[str] = []
+    gpu_off = extensions.gpu_defaults_off(cfg, device)
     values = dict(gpu)
     if not device.gpu:
         cpu: dict[str, Any] = dict(
@@ -255,6 +267,7 @@ def resolve_perf(cfg: TrainConfig, device: Device) -> ResolvedPerf:
         fp8_format=fp8,
         moe_router_padding_for_fp8=bool(fp8) and m.is_moe and auto(t.moe_router_padding_for_fp8, True),
         cpu_off=tuple(cpu_off),
+        gpu_off=gpu_off,
         **dtypes,
         **values,
     )
@@ -308,6 +321,11 @@ def check_perf(cfg: TrainConfig, device: Device) -> None:
         raise ConfigError(
             "perf.gradient_accumulation_fusion=true needs apex's fused_weight_gradient_mlp_cuda, which is not "
             "installed (megatron's output layer uses it)"
+        )
+    if p.masked_softmax_fusion and p.core_attention == "local" and device.gpu and device.softmax_kernels is False:
+        raise ConfigError(
+            "perf.masked_softmax_fusion=true with perf.core_attention=local needs megatron's fused softmax kernels "
+            "(scaled_masked_softmax_cuda, from apex), which are not installed; leave it unset or false"
         )
     _check_recompute_modules(cfg, r)
     _check_cuda_graphs(cfg, r)

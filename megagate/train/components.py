@@ -408,8 +408,9 @@ def build_components(cfg: TrainConfig, world_size: int) -> Components:
             use_cudagraphable_rng=perf.cuda_graph_impl == "local",
             force_reset_rng=True,
         )
-    if perf.cpu_line():
-        log(perf.cpu_line())  # once per run (global rank 0)
+    for line in (perf.cpu_line(), perf.gpu_line()):
+        if line:
+            log(line)  # once per run (global rank 0)
     chunks = build_model_chunks(cfg)
     ddp = wrap_ddp(cfg, chunks)
     optimizer, scheduler = build_optimizer(cfg, ddp)
