@@ -17,11 +17,6 @@ settings from the answer, saying why a GPU default is off.
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from megagate.config import TrainConfig
-    from megagate.perf import Device
 
 FUSED_SOFTMAX = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda")
 GRADIENT_ACCUMULATION = ("fused_weight_gradient_mlp_cuda",)
@@ -30,18 +25,3 @@ GRADIENT_ACCUMULATION = ("fused_weight_gradient_mlp_cuda",)
 def available(modules: tuple[str, ...]) -> bool:
     """Whether every one of these top-level modules can be imported here (found, not imported)."""
     return all(importlib.util.find_spec(name) is not None for name in modules)
-
-
-def gpu_defaults_off(cfg: TrainConfig, device: Device) -> tuple[str, ...]:
-    """Why each GPU fusion left on auto is off on `device` (its kernel modules do not import), one reason each;
-    `megagate.perf.ResolvedPerf.gpu_line` prints them. A device whose extensions are unknown (None) has them."""
-    p, reasons = cfg.perf, []
-    if device.gpu and p.masked_softmax_fusion is None and device.softmax_kernels is False:
-        reasons.append(_reason("masked_softmax_fusion", FUSED_SOFTMAX, "torch's softmax instead"))
-    if device.gpu and p.gradient_accumulation_fusion is None and device.apex is False:
-        reasons.append(_reason("gradient_accumulation_fusion", GRADIENT_ACCUMULATION, "unfused weight gradients"))
-    return tuple(reasons)
-
-
-def _reason(setting: str, modules: tuple[str, ...], instead: str) -> str:
-    return f"{setting} off ({', '.join(modules)} not installed: {instead})"

@@ -1,4 +1,4 @@
-"""Logic that only a GPU machine reaches, checked on CPU through the device the pure functions are given.
+"""Logic that only a GPU machine reaches, checked on CPU through the machine the pure functions are given.
 
 The acceptance machine is an H200 with torch but without Transformer Engine or apex. These tests build what that
 machine would build — megatron's real modules, from the configs the trainer resolves for that device — and run the
@@ -10,13 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megagate import config as C
+from megagate import config_reader as C
 from megagate import perf as P
 from megagate.errors import ConfigError
+from megagate.machine import Machine
+from megagate.run_config import TrainConfig
 from megagate.train import components as K
 
 # the acceptance machine: Hopper, no TE, no apex (so neither its softmax nor its gradient-accumulation kernels)
-H200_NO_APEX = P.Device(gpu=True, te=False, capability=(9, 0), deep_ep=False, apex=False, softmax_kernels=False)
+H200_NO_APEX = Machine(gpu=True, te=False, capability=(9, 0), deep_ep=False, apex=False, softmax_kernels=False)
 SOFTMAX_OFF = (
     "masked_softmax_fusion off (scaled_masked_softmax_cuda, scaled_upper_triang_masked_softmax_cuda, "
     "scaled_softmax_cuda not installed: torch's softmax instead)"
@@ -26,7 +28,7 @@ GRAD_ACC_OFF = (
 )
 
 
-def _local_bf16(**perf) -> C.TrainConfig:
+def _local_bf16(**perf) -> TrainConfig:
     """A bf16 run at sequence 4096 with megatron's local core attention: the fused-softmax kernel's range
     (16 < sk <= 4096, multiples of 4)."""
     return C.from_dict(
@@ -72,7 +74,7 @@ def test_no_apex_gpu_resolves_masked_softmax_off_and_prints_why(megatron_world):
     assert out.shape == (sq, b, np_ * hn) and out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
 
     # the defect the old resolution (on) had: the kernel check itself imports apex's module
-    unknown = P.Device(gpu=True, te=False)  # a GPU node judged away from it (extensions unknown): the default stays
+    unknown = Machine(gpu=True, te=False)  # a GPU node judged away from it (extensions unknown): the default stays
     fused = _attention_softmax(K.model_transformer_config(cfg, unknown, use_cpu_initialization=True))
     assert fused.scale_mask_softmax.scaled_masked_softmax_fusion is True
     with pytest.raises(ModuleNotFoundError, match="scaled_masked_softmax_cuda"):
@@ -87,7 +89,7 @@ def test_explicit_masked_softmax_fusion_on_a_gpu_without_the_kernels():
     sdpa = _local_bf16(masked_softmax_fusion=True, core_attention="sdpa")
     P.check_perf(sdpa, H200_NO_APEX)
     assert P.resolve_perf(sdpa, H200_NO_APEX).masked_softmax_fusion is True
-    with_apex = P.Device(gpu=True, te=False, capability=(9, 0), apex=True, softmax_kernels=True)
+    with_apex = Machine(gpu=True, te=False, capability=(9, 0), apex=True, softmax_kernels=True)
     P.check_perf(_local_bf16(masked_softmax_fusion=True), with_apex)
     resolved = P.resolve_perf(_local_bf16(), with_apex)
     assert resolved.masked_softmax_fusion is True and resolved.gpu_line() is None

@@ -137,7 +137,7 @@ class Case:
 def body(args, record: child.Record) -> None:
     import torch
 
-    from megagate import config as config_mod
+    from megagate import config_reader
     from megagate.distributed.parallel import single_process
     from megagate.model.counts import flops_per_token
     from megagate.plan.devices import from_cuda_name
@@ -148,7 +148,7 @@ def body(args, record: child.Record) -> None:
         record.fail("CUDA is not available: the benchmark's 1.7B-shaped models are not run on the CPU")
         return
     cfgs = {
-        f"{name}/{kernel}": config_mod.load(
+        f"{name}/{kernel}": config_reader.load(
             str(args.config),
             [*args.set, f"model.gate.preset={preset}", f"perf.core_attention={kernel}"],
             environment=False,

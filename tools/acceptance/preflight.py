@@ -160,17 +160,17 @@ def body(args, record: child.Record) -> None:
 def machine_and_perf(args) -> dict:
     """What megagate sees here: TE and apex's kernels, the datasheet peak, the perf settings in force for the
     acceptance config and the model shape the SDPA check uses."""
-    from megagate import config as config_mod
-    from megagate import extensions
-    from megagate.model.spec import transformer_engine_available
-    from megagate.perf import Device, resolve_perf
+    from megagate import config_reader, extensions
+    from megagate.machine import Machine
+    from megagate.model.kernels import transformer_engine_available
+    from megagate.perf import resolve_perf
     from megagate.plan.devices import from_cuda_name
 
-    cfg = config_mod.load(str(args.config), args.set, environment=False)
-    device = Device.detect()
-    perf = resolve_perf(cfg, device)
+    cfg = config_reader.load(str(args.config), args.set, environment=False)
+    machine = Machine.detect()
+    perf = resolve_perf(cfg, machine)
     known = None
-    if device.gpu:
+    if machine.gpu:
         import torch
 
         known = from_cuda_name(torch.cuda.get_device_name(0))
