@@ -56,7 +56,7 @@ def _alive_with(marker: str) -> list[int]:
     return found
 
 
-def acceptance(tmp: Path, *args: str, env: dict | None = None, shell: bool = False) -> Run:
+def acceptance(tmp: Path, *args: str, env: dict | None = None, shell: bool = False, smoke: bool = True) -> Run:
     """Run the acceptance in smoke mode (through tools/gpu_acceptance.sh when `shell`); its JSON, summary line
     and the processes it left."""
     out, work, marker = tmp / "out", tmp / "work", uuid.uuid4().hex
@@ -64,7 +64,7 @@ def acceptance(tmp: Path, *args: str, env: dict | None = None, shell: bool = Fal
     # generous caps and budget: this checks the plumbing, on a shared CI machine whose load varies (a test's own
     # --cap and --budget come later and win)
     caps = [x for name in P.NAMES for x in ("--cap", f"{name}=600")]
-    options = ["--work", str(work), "--smoke", "--budget", "1800", *caps, *args]
+    options = ["--work", str(work), *(["--smoke"] if smoke else []), "--budget", "1800", *caps, *args]
     if shell:
         cmd = ["bash", "tools/gpu_acceptance.sh", str(out), *options]
         env.update(PYTHON=sys.executable, GPU_ACCEPTANCE_HARD_LIMIT="2300")  # the wrapper's backstop
@@ -172,6 +172,23 @@ def test_no_megatron_and_no_wheel_still_writes_the_json(tmp_path):
     assert run.part("benchmark")["status"] == "skipped"
     assert run.part("benchmark")["reason"] == "needs install, which failed" and run.part("benchmark")["blocked"]
     assert run.summary["errors"]["install"].startswith("no wheel in")
+
+
+@pytest.mark.slow
+def test_gpu_mode_without_cuda_stops_at_the_preflight(tmp_path):
+    """The real mode on a machine without CUDA: the preflight says so, and the 1.7B-shaped parts are not run on
+    the CPU; the plan (pure arithmetic) still runs, for the acceptance's own config."""
+    only = "install,preflight,benchmark,plan"
+    run = acceptance(tmp_path, "--only", only, env={"CUDA_VISIBLE_DEVICES": ""}, smoke=False)
+    assert run.proc.returncode == 1
+    assert_complete(run)
+    preflight = run.part("preflight")
+    assert preflight["status"] == "failed" and preflight["reason"].startswith("CUDA is not available (torch ")
+    assert preflight["figures"]["shape"] == {"heads": 16, "groups": 8, "head_dim": 128, "seq": 4096, "micro_batch": 2}
+    assert run.part("benchmark")["status"] == "skipped" and run.part("benchmark")["blocked"]
+    plan = run.part("plan")["figures"]
+    assert plan["fits"] is True and plan["kernels"] == "gpu-sdpa" and plan["step_s"] > 0
+    assert run.summary["mode"] == "gpu" and run.summary["errors"]["preflight"].startswith("CUDA is not available")
 
 
 @pytest.mark.slow

@@ -137,6 +137,8 @@ def headline(name: str, figures: dict[str, Any]) -> str:
         return f"{f['passed']} passed, {f['failed']} failed, {f['skipped']} skipped"
     if name == "plan" and f.get("vs_training"):
         return str(f["vs_training"])
+    if name == "plan":
+        return f"predicts {f.get('step_s')} s per step, {f.get('peak_gb')} GB peak"
     return ""
 
 
@@ -145,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="megagate-acceptance-"))
     work.mkdir(parents=True, exist_ok=True)
     json_path, log = out / report.JSON_NAME, out / report.LOG_NAME
+    for name in report.RESULT_FILES:  # a reused folder: no file of an earlier run passes for this one's
+        (out / name).unlink(missing_ok=True)
     log.write_text("")
     ctx = P.Context(
         args.smoke,
@@ -242,8 +246,10 @@ def run(args: argparse.Namespace) -> int:
         entry.update(status=status, seconds=outcome.seconds, rc=outcome.rc, figures=figures)
         if reason:
             entry["reason"] = reason
-        if outcome.tail:
-            entry["error_tail"] = outcome.tail
+        # the part's own traceback where it crashed, else its output's last lines where it did not say why
+        tail = outcome.written.get("traceback") or ([] if reason and outcome.status != "timed_out" else outcome.tail)
+        if tail and status != "ok":
+            entry["error_tail"] = tail
         if outcome.killed_leftovers:
             entry["killed_leftovers"] = outcome.killed_leftovers
         report.append_part_log(log, f"{part.name} ({' '.join(cmd[1:4])} ...): {status}", part_log)
