@@ -19,7 +19,8 @@ test-fast: env
 # The GPU tests on a GPU machine as it comes (python3 with torch and CUDA, no registry: no bootstrap here);
 # megatron-core from the machine, else from the carried .whl/ (`make gpu-wheels`), installed under /tmp.
 test-gpu:
-	bash tools/gpu_acceptance.sh runs/test-gpu --only install,preflight,gpu_tests --budget 590 --cap gpu_tests=560
+	GPU_ACCEPTANCE_HARD_LIMIT=650 bash tools/gpu_acceptance.sh runs/test-gpu --only install,preflight,gpu_tests \
+		--budget 590 --cap gpu_tests=560
 
 # The wheels tools/gpu_acceptance.sh needs on a GPU machine that lacks them, into a fresh .whl/ (any python3 with
 # pip; no bootstrap): prints each wheel and the total size.

@@ -211,6 +211,7 @@ def body(args, record: child.Record) -> None:
                 cases[key] = case
             except Exception as exc:  # noqa: BLE001 - an out-of-memory case must not hide the others' figures
                 errors[key] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+            if key in errors:  # freed once the exception (whose traceback holds the case) is gone
                 case = None
                 gc.collect()
                 if cuda:
@@ -227,7 +228,15 @@ def body(args, record: child.Record) -> None:
                 break
             start = time.monotonic()
             for key in order[r % len(order) :] + order[: r % len(order)]:
-                cases[key].times.append(cases[key].step(batch))
+                try:
+                    cases[key].times.append(cases[key].step(batch))
+                except Exception as exc:  # noqa: BLE001 - dropped from the later rounds, the others go on
+                    errors[key] = f"round {r + 1}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+            for key in [k for k in order if k in errors]:
+                order.remove(key)
+                del cases[key]
+            if not order:
+                break
             done, round_s = r + 1, time.monotonic() - start
             publish(rounds_done=done, rounds_planned=args.rounds)
             gc.collect()
