@@ -95,6 +95,7 @@ class Case:
         self.params = parameter_counts(cfg.model)["total"]
         self.times: list[float] = []
         self.losses: list[float] = []
+        self.host_syncs: list[int] = []  # per timed step, where a host-sync counter wraps `step` (none yet)
         self.figures: dict[str, Any] = {"params": self.params, "ffn": cfg.model.effective_ffn_hidden_size}
 
     def step(self, batch) -> float:
@@ -130,7 +131,7 @@ class Case:
             )
         if self.losses:
             out.update(loss_first=self.losses[0], loss_last=self.losses[-1])
-        out["host_syncs_per_step"] = None  # the host-sync counter's figure, where it is measured
+        out["host_syncs_per_step"] = statistics.median(self.host_syncs) if self.host_syncs else None
         return out
 
 

@@ -257,7 +257,9 @@ def training_figures(ctx: Context) -> tuple[dict[str, Any], str | None]:
         figures["final_valid_loss"] = _number(valid[-1].get("loss"))
     if ctx.ceiling and figures.get("median_tflops_per_gpu"):
         figures["mfu_measured_ceiling"] = round(figures["median_tflops_per_gpu"] / ctx.ceiling, 4)
-    figures["host_syncs_per_step"] = None  # the host-sync counter's figure, where it is measured
+    # the host-sync counter's figure: the trainer's per-step `host_syncs` metric where it logs one, else null
+    syncs = [v for r in steady if (v := _number(r.get("host_syncs"))) is not None]
+    figures["host_syncs_per_step"] = statistics.median(syncs) if syncs else None
     if bad is not None:
         return figures, f"the loss is not finite from step {bad['step']} (logged {bad.get('loss')!r})"
     return figures, None
