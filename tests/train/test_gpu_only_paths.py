@@ -15,7 +15,7 @@ from megagate import perf as P
 from megagate.errors import ConfigError
 from megagate.machine import Machine
 from megagate.run_config import TrainConfig
-from megagate.train import components as K
+from megagate.run_setup import resolve
 
 # the acceptance machine: Hopper, no TE, no apex (so neither its softmax nor its gradient-accumulation kernels)
 H200_NO_APEX = Machine(gpu=True, te=False, capability=(9, 0), deep_ep=False, apex=False, softmax_kernels=False)
@@ -42,6 +42,11 @@ def _local_bf16(**perf) -> TrainConfig:
     )
 
 
+def _check(cfg: TrainConfig, machine: Machine) -> None:
+    """The real GPU's perf rules, as the run set-up applies them there."""
+    P.check_perf(cfg, P.resolve_perf(cfg, machine))
+
+
 def _attention_softmax(tconfig):
     """megatron's DotProductAttention (the local core attention) built from `tconfig`: its FusedScaleMaskSoftmax."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -61,7 +66,7 @@ def test_no_apex_gpu_resolves_masked_softmax_off_and_prints_why(megatron_world):
     assert perf.bias_activation_fusion and perf.bias_dropout_fusion and perf.cross_entropy_loss_fusion
 
     # megatron's own module, built from the TransformerConfig the trainer would build there (CPU weights here)
-    tconfig = K.model_transformer_config(cfg, H200_NO_APEX, use_cpu_initialization=True)
+    tconfig = resolve(cfg, 1, H200_NO_APEX).transformer_config(use_cpu_initialization=True)
     assert tconfig.bf16 and tconfig.masked_softmax_fusion is False
     attention = _attention_softmax(tconfig)
     b, np_, s = 2, tconfig.num_attention_heads, 4096
@@ -75,7 +80,7 @@ def test_no_apex_gpu_resolves_masked_softmax_off_and_prints_why(megatron_world):
 
     # the defect the old resolution (on) had: the kernel check itself imports apex's module
     unknown = Machine(gpu=True, te=False)  # a GPU node judged away from it (extensions unknown): the default stays
-    fused = _attention_softmax(K.model_transformer_config(cfg, unknown, use_cpu_initialization=True))
+    fused = _attention_softmax(resolve(cfg, 1, unknown).transformer_config(use_cpu_initialization=True))
     assert fused.scale_mask_softmax.scaled_masked_softmax_fusion is True
     with pytest.raises(ModuleNotFoundError, match="scaled_masked_softmax_cuda"):
         fused.scale_mask_softmax.is_kernel_available(None, b, np_, s, s)
@@ -85,11 +90,11 @@ def test_explicit_masked_softmax_fusion_on_a_gpu_without_the_kernels():
     """An explicit true that megatron's local attention would reach is refused there in one line; with SDPA (which
     never calls megatron's softmax) it is harmless and kept; a GPU with the kernels keeps it."""
     with pytest.raises(ConfigError, match=r"perf.masked_softmax_fusion=true with perf.core_attention=local needs"):
-        P.check_perf(_local_bf16(masked_softmax_fusion=True), H200_NO_APEX)
+        _check(_local_bf16(masked_softmax_fusion=True), H200_NO_APEX)
     sdpa = _local_bf16(masked_softmax_fusion=True, core_attention="sdpa")
-    P.check_perf(sdpa, H200_NO_APEX)
+    _check(sdpa, H200_NO_APEX)
     assert P.resolve_perf(sdpa, H200_NO_APEX).masked_softmax_fusion is True
     with_apex = Machine(gpu=True, te=False, capability=(9, 0), apex=True, softmax_kernels=True)
-    P.check_perf(_local_bf16(masked_softmax_fusion=True), with_apex)
+    _check(_local_bf16(masked_softmax_fusion=True), with_apex)
     resolved = P.resolve_perf(_local_bf16(), with_apex)
     assert resolved.masked_softmax_fusion is True and resolved.gpu_line() is None

@@ -1,7 +1,7 @@
 """Part `benchmark`: one training step of the acceptance model, {baseline, G1} x {SDPA, megatron's local attention}.
 
-The four models are built from the acceptance config with the TransformerConfig the trainer resolves on this
-machine (its fusions, and what is off for a missing kernel), megatron's own initialisation on the device, and
+The four models are built by the trainer's model factory from the acceptance config as the trainer resolves it on
+this machine (its fusions, and what is off for a missing kernel), with megatron's own initialisation on the device and
 torch's fused AdamW on the bf16 parameters (no DDP or distributed optimizer: the training part has those). All
 four stay resident and are timed in interleaved rounds whose order rotates, so drift in clocks or temperature hits
 every case alike; each case's first steps (kernel selection, torch.compile of megatron's fusions, the allocator)
@@ -81,15 +81,14 @@ class Case:
     def __init__(self, name: str, cfg, cuda: bool) -> None:
         import torch
 
-        from megagate.model.build import build_gpt_model
         from megagate.model.counts import flops_per_token, parameter_counts
-        from megagate.train import components as K
+        from megagate.model_factory import build_model
+        from megagate.run_setup import resolve
 
         self.name, self.cfg, self.cuda = name, cfg, cuda
-        tconfig = K.model_transformer_config(cfg)  # megatron's init on the device (no CPU draw of ~1B numbers)
-        self.model = build_gpt_model(
-            cfg.model, tconfig, backend=K.resolve_backend(cfg), core_attention=cfg.perf.core_attention
-        )
+        # the trainer's set-up on this machine; megatron's own initialisation on the device, not the trainer's
+        # layout-independent draw of ~1B numbers on the CPU (most of the share, four times over)
+        (self.model,) = build_model(resolve(cfg, 1), initialise=False)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1, fused=cuda)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_length)
         self.params = parameter_counts(cfg.model)["total"]

@@ -145,8 +145,11 @@ def body(args, record: child.Record) -> None:
     except Exception as exc:  # noqa: BLE001
         record.update(megatron_core=None)
         problems.append(f"megatron-core does not import: {type(exc).__name__}: {exc}")
-    if "megatron_core" in record.data and record.data["megatron_core"]:
-        record.update(**machine_and_perf(args))
+    if record.data.get("megatron_core"):
+        try:
+            record.update(**machine_and_perf(args))
+        except Exception as exc:  # noqa: BLE001 - named; the measurements below still run
+            problems.append(f"the acceptance config does not resolve here: {type(exc).__name__}: {exc}")
     record.update(matmul=matmul_ceiling(args.smoke))
     if cuda or args.smoke:
         # the config's attention shape (known where megatron-core imports), else the acceptance model's (toy in smoke)
@@ -161,16 +164,14 @@ def machine_and_perf(args) -> dict:
     """What megagate sees here: TE and apex's kernels, the datasheet peak, the perf settings in force for the
     acceptance config and the model shape the SDPA check uses."""
     from megagate import config_reader, extensions
-    from megagate.machine import Machine
     from megagate.model.kernels import transformer_engine_available
-    from megagate.perf import resolve_perf
     from megagate.plan.devices import from_cuda_name
+    from megagate.run_setup import resolve
 
     cfg = config_reader.load(str(args.config), args.set, environment=False)
-    machine = Machine.detect()
-    perf = resolve_perf(cfg, machine)
+    setup = resolve(cfg, 1)  # as the training will: its perf settings on this machine (and the GPU's refusals)
     known = None
-    if machine.gpu:
+    if setup.machine.gpu:
         import torch
 
         known = from_cuda_name(torch.cuda.get_device_name(0))
@@ -181,8 +182,8 @@ def machine_and_perf(args) -> dict:
         "apex_gradient_accumulation": extensions.available(extensions.GRADIENT_ACCUMULATION),
         "device_table": None if known is None else known.name,
         "datasheet_bf16_tflops": None if known is None else known.peak_tflops("bf16"),
-        "perf_in_force": perf.describe(),
-        "perf_gpu_line": perf.gpu_line(),
+        "perf_in_force": setup.describe(),
+        "perf_gpu_line": setup.perf.gpu_line(),
         "shape": {
             "heads": m.num_attention_heads,
             "groups": m.num_query_groups,

@@ -9,7 +9,7 @@ profiling.py ManualGC, Profiling (the perf section: perf.manual_gc_interval, per
 
 from __future__ import annotations
 
-from megagate.run_config import TrainConfig
+from megagate.run_setup import RunSetup
 from megagate.train.callbacks.base import Callback
 from megagate.train.callbacks.cadence import Checkpointing, Evaluation, StopChecks, evaluate
 from megagate.train.callbacks.metrics import MetricsLogger, RunSummary
@@ -17,11 +17,11 @@ from megagate.train.callbacks.monitor import FaultInjection, LiveDiagnostics, Sp
 from megagate.train.callbacks.profiling import ManualGC, Profiling, perf_callbacks
 
 
-def default_callbacks(cfg: TrainConfig) -> list[Callback]:
-    """The callbacks of `megagate train` for `cfg`. Their order is each class's `priority` (the trainer sorts):
+def default_callbacks(setup: RunSetup) -> list[Callback]:
+    """The callbacks of `megagate train` for a run set-up. Their order is each class's `priority` (the trainer sorts):
     StopChecks 100, MetricsLogger 90, FaultInjection 80, SpikeMonitoring 70, LiveDiagnostics 60, ManualGC 50,
     Profiling 40, Evaluation 30, Checkpointing 20, RunSummary 10; each class says why in its docstring."""
-    m = cfg.monitor
+    m = setup.cfg.monitor
     callbacks: list[Callback] = [StopChecks(), MetricsLogger()]
     if m.faults:
         callbacks.append(FaultInjection(m.faults))
@@ -29,7 +29,7 @@ def default_callbacks(cfg: TrainConfig) -> list[Callback]:
         callbacks.append(SpikeMonitoring(m.spike))
     if m.diagnostics.interval:
         callbacks.append(LiveDiagnostics(m.diagnostics.interval))
-    return callbacks + perf_callbacks(cfg) + [Evaluation(), Checkpointing(), RunSummary()]
+    return callbacks + perf_callbacks(setup) + [Evaluation(), Checkpointing(), RunSummary()]
 
 
 __all__ = [
