@@ -184,7 +184,10 @@ def test_gpu_mode_without_cuda_stops_at_the_preflight(tmp_path):
     assert_complete(run)
     preflight = run.part("preflight")
     assert preflight["status"] == "failed" and preflight["reason"].startswith("CUDA is not available (torch ")
-    assert preflight["figures"]["shape"] == {"heads": 16, "groups": 8, "head_dim": 128, "seq": 4096, "micro_batch": 2}
+    model = {"preset": "1.7b-28l", "layers": 16, "hidden": 2048, "ffn": 5440, "vocab": 151936, "heads": 16}
+    model |= {"groups": 8, "head_dim": 128, "seq": 4096, "micro_batch": 2}
+    assert preflight["figures"]["shape"] == model
+    assert run.doc["model"] == {**model, "used_by": ["benchmark", "training", "plan"]}
     assert run.part("benchmark")["status"] == "skipped" and run.part("benchmark")["blocked"]
     plan = run.part("plan")["figures"]
     assert plan["fits"] is True and plan["kernels"] == "gpu-sdpa" and plan["step_s"] > 0

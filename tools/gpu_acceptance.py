@@ -257,6 +257,9 @@ def run(args: argparse.Namespace) -> int:
         report.log_line(
             log, f"[{time.monotonic() - start:5.0f}s] {part.name}: {status} in {outcome.seconds:.0f} s; {words}"
         )
+        if part.name == "preflight" and figures.get("shape"):
+            # one model for the benchmark, the training and the plan: stated once, as the config resolved it
+            doc["model"] = {**figures["shape"], "used_by": ["benchmark", "training", "plan"]}
         report.write_json(json_path, doc)
     ok = all(p["status"] == "ok" or (p["status"] == "skipped" and not p.get("blocked")) for p in doc["parts"].values())
     doc.update(

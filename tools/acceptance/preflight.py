@@ -185,6 +185,11 @@ def machine_and_perf(args) -> dict:
         "perf_in_force": setup.describe(),
         "perf_gpu_line": setup.perf.gpu_line(),
         "shape": {
+            "preset": (cfg.raw.get("model") or {}).get("preset"),
+            "layers": m.num_layers,
+            "hidden": m.hidden_size,
+            "ffn": m.effective_ffn_hidden_size,
+            "vocab": m.vocab_size,
             "heads": m.num_attention_heads,
             "groups": m.num_query_groups,
             "head_dim": m.head_dim,
