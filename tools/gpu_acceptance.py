@@ -40,6 +40,7 @@ from tools.acceptance import report  # noqa: E402
 from tools.acceptance.runner import Interrupted, Outcome, raise_interrupted, read_json, run_part, tail_lines  # noqa: E402
 
 SCHEMA = "megagate-gpu-acceptance/1"
+_PAST = {"failed": "failed", "timed_out": "timed out", "skipped": "was skipped"}
 BUDGET_S, SMOKE_BUDGET_S = 450.0, 180.0
 MARGIN_S, SMOKE_MARGIN_S = 10.0, 5.0  # kept back from every share for the kill, the JSON and the summary
 
@@ -202,7 +203,9 @@ def run(args: argparse.Namespace) -> int:
             entry.update(status="skipped", reason="not selected (--only)")
         elif blocker:
             entry.update(
-                status="skipped", reason=f"needs {blocker}, which {doc['parts'][blocker]['status']}", blocked=True
+                status="skipped",
+                reason=f"needs {blocker}, which {_PAST[doc['parts'][blocker]['status']]}",
+                blocked=True,
             )
         elif given < min(part.min_s, entry["cap_s"]):  # cut by the deadline, not by a cap chosen that small
             entry.update(
