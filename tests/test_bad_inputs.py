@@ -193,6 +193,7 @@ CASES = [
     C("wsd-decay-too-long", f"{DRY} train.lr_schedule=wsd train.wsd_decay_steps=61", "train.wsd_decay_steps (61)"),
     C("wsd-decay-zero", f"{DRY} train.lr_schedule=wsd train.wsd_decay_steps=0", "train.wsd_decay_steps (0)"),
     C("checkpoint-interval-neg", f"{DRY} checkpoint.interval=-1", "checkpoint.interval=-1"),
+    C("save-final-word", f"{DRY} checkpoint.save_final=sometimes", "checkpoint.save_final='sometimes'"),
     C("eval-interval-neg", f"{DRY} train.eval_interval=-5", "train.eval_interval=-5"),
     C("wall-time-zero", f"{DRY} train.wall_time_limit=0", "train.wall_time_limit=0"),
     C("wall-time-neg", f"{DRY} train.wall_time_limit=-10", "train.wall_time_limit=-10"),

@@ -40,6 +40,20 @@ def test_loss_decreases_and_run_files(reference):
     assert (reference / "summary.json").exists() and (reference / "config.yaml").exists()
 
 
+def test_save_final_false_leaves_no_checkpoint(tmp_path, demo_dir):
+    """checkpoint.save_final=false: neither a stopped nor a completed launch writes one (interval 0), and a rerun
+    starts over (nothing to resume from); what it logged says so."""
+    off = "checkpoint.save_final=false"
+    stopped = T.run_train(tmp_path, demo_dir, off, "train.exit_after_steps=3")
+    assert "stopped at step 3 (exit_after_steps=3); no checkpoint at the end (checkpoint.save_final=false)" in (
+        stopped.stdout
+    )
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+    completed = T.run_train(tmp_path, demo_dir, off, "train.train_steps=4")
+    assert "resumed from" not in completed.stdout and "validation at step 4" in completed.stdout
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
 def test_same_seed_same_trajectory(reference, tmp_path, demo_dir):
     T.run_train(tmp_path, demo_dir)
     assert T.losses(tmp_path) == T.losses(reference)  # bitwise equal floats
