@@ -117,29 +117,25 @@ def attention_samples(kernel: str, dtype: str, until: float) -> list[tuple[int, 
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megagate.model import gate as gates
-    from megagate.model.build import transformer_config
+    from megagate import config_reader
     from megagate.model.core_attention import SDPACoreAttention
-    from megagate.model.model_config import ModelConfig
+    from megagate.run_setup import resolve
 
     dev, dt = device(), DTYPES[dtype]
     out = []
     for b, heads, s, d in attention_shapes(dev.type == "cuda"):
         if time.perf_counter() > until and len(out) >= 4:
             break
-        model = ModelConfig(
-            num_layers=1,
-            hidden_size=heads * d,
-            num_attention_heads=heads,
-            num_query_groups=heads,
-            head_dim=d,
-            ffn_hidden_size=4 * heads * d,
-            vocab_size=128,
-            max_sequence_length=s,
-            gate=gates.preset("baseline"),
-        )
+        raw = {
+            "model": {"preset": "tiny", "num_layers": 1, "hidden_size": heads * d, "num_attention_heads": heads,
+                      "num_query_groups": heads, "head_dim": d, "ffn_hidden_size": 4 * heads * d,
+                      "vocab_size": 128, "max_sequence_length": s, "gate": {"preset": "baseline"}},
+            "train": {"micro_batch_size": b, "global_batch_size": b, "seq_length": s, "precision": dtype},
+            "data": {"mock": True},
+        }  # fmt: skip
+        setup = resolve(config_reader.from_dict(raw, environment=False), 1)
         # the unfused softmax: megatron's fused kernel needs apex's scaled_masked_softmax_cuda
-        config = transformer_config(model, params_dtype=dt, use_cpu=dev.type != "cuda", masked_softmax_fusion=False)
+        config = setup.transformer_config(masked_softmax_fusion=False)
         cls = SDPACoreAttention if kernel == "sdpa" else DotProductAttention
         module = cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self").to(dev)
         q, k, v = (torch.randn(s, b, heads, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
