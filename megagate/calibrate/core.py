@@ -145,6 +145,8 @@ def _framework(provisional: DeviceProfile, precision: str, deadline: Deadline) -
     measured = framework.time_variants(precision, "auto", time.perf_counter() + 0.8 * deadline.left())
     modelled = {}
     for name, variant in framework.VARIANTS.items():
+        if name not in measured:
+            continue
         modelled[name] = {}
         for m in (1, 2):
             cfg = framework.config("unused", variant, precision, "auto", micro_batches=m, environment=False)
