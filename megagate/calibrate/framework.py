@@ -118,6 +118,7 @@ def solve(measured: dict[str, dict[int, float]], modelled: dict[str, dict[int, f
         "per_layer_moe",
         "per_expert",
     ]
+    missing = [n for n in VARIANTS if n not in measured]
     rows, seconds = [], []
     for name, by_m in measured.items():
         v = VARIANTS[name]
