@@ -8,7 +8,9 @@ below is trained with `megagate train` (a real process, `torchrun --nproc-per-no
 and planned with `megagate plan --profile` on that round's profile. Measured = the median of the step times the
 trainer logs (metrics.jsonl `step_time`) after the warm-up steps; predicted = the plan's step seconds. Rounds
 interleave calibration and training, so a machine shared with other work loads both alike; the load average is
-printed beside every figure. Calibration and training run with `--threads` threads per process (OMP_NUM_THREADS;
+printed beside every figure, and the share of its threads' time each process got (its CPU time over its wall time
+x threads: 1 on a quiet machine) with the error of the figures normalised by it — on a machine shared with other
+work the load moves between the calibration and each training run, and that column takes it out. Calibration and training run with `--threads` threads per process (OMP_NUM_THREADS;
 torchrun's ranks too): 1 by default, because on a machine shared with other work a 2-thread OpenMP region waits for
 its descheduled second thread and turns every figure into noise; on a quiet machine `--threads 2` plans the
 default single-process run. No assertions: it prints predicted vs measured side by side, and the error.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -89,8 +92,14 @@ def environment(threads: int) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
-def train(name: str, steps: int, warmup: int, work: str, threads: int) -> tuple[float, list[float]]:
-    """(median step seconds after `warmup` steps, all logged step times) of a real `megagate train`."""
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def train(name: str, steps: int, warmup: int, work: str, threads: int) -> tuple[float, float]:
+    """(median step seconds after `warmup` steps, the share of its threads' time the run got) of a real
+    `megagate train`."""
     out = f"{work}/{name.replace(' ', '_')}-{time.time_ns()}"
     ranks, over = overrides(name, steps, out)
     config = str(REPO / "examples" / "tiny_cpu.yaml")
@@ -99,16 +108,18 @@ def train(name: str, steps: int, warmup: int, work: str, threads: int) -> tuple[
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                "-m", "megagate", "train", "--config", config, *over]  # fmt: skip
+    cpu, start = children_cpu(), time.perf_counter()
     subprocess.run(
         cmd, check=True, cwd=REPO, env=environment(threads), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
+    share = (children_cpu() - cpu) / ((time.perf_counter() - start) * ranks * threads)
     times = []
     with open(f"{out}/metrics.jsonl", encoding="utf-8") as f:
         for line in f:
             record = json.loads(line)
             if record.get("split") == "train" and "step_time" in record:
                 times.append(float(record["step_time"]))
-    return statistics.median(times[warmup:]), times
+    return statistics.median(times[warmup:]), min(1.0, share)
 
 
 def predict(name: str, profile_path: str, steps: int) -> float:
@@ -133,7 +144,7 @@ def main() -> int:
     import torch
 
     print(f"torch {torch.__version__}, {args.threads} threads per process, {os.cpu_count()} CPUs; {load()}")
-    rows: dict[str, list[tuple[float, float, str]]] = {n: [] for n in args.configs}
+    rows: dict[str, list[tuple[float, float, float]]] = {n: [] for n in args.configs}
     with tempfile.TemporaryDirectory() as work:
         for r in range(args.rounds):
             profile = f"{work}/profile-{r}.json"
@@ -146,22 +157,35 @@ def main() -> int:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            print(f"round {r + 1}: calibrated in {time.perf_counter() - start:.0f} s ({load()})")
+            with open(profile, encoding="utf-8") as f:
+                calibrated_share = json.load(f)["samples"]["cpu_share"]
+            print(
+                f"round {r + 1}: calibrated in {time.perf_counter() - start:.0f} s, with {calibrated_share:.0%} of "
+                f"its threads' time ({load()})"
+            )
             order = args.configs[r % len(args.configs) :] + args.configs[: r % len(args.configs)]
             for name in order:
-                measured, _ = train(name, args.steps, args.warmup, work, args.threads)
+                measured, share = train(name, args.steps, args.warmup, work, args.threads)
                 predicted = predict(name, profile, args.steps)
-                rows[name].append((predicted, measured, load()))
+                # load-normalised: each figure times the share of its threads' time its process got
+                normalised = predicted * calibrated_share / (measured * share) - 1
+                rows[name].append((predicted, measured, normalised))
                 print(f"  {name:26s} predicted {predicted * 1e3:8.1f} ms  measured {measured * 1e3:8.1f} ms  "
-                      f"error {predicted / measured - 1:+6.1%}  ({load()})")  # fmt: skip
-    print(f"\n{'configuration':26s} {'predicted ms':>13s} {'measured ms':>12s} {'error':>7s}   (medians over rounds)")
-    within = 0
+                      f"error {predicted / measured - 1:+7.1%}  (the run got {share:.0%} of its threads' time; "
+                      f"load-normalised error {normalised:+7.1%}; {load()})")  # fmt: skip
+    print(
+        f"\n{'configuration':26s} {'predicted ms':>13s} {'measured ms':>12s} {'error':>8s} {'normalised':>11s}"
+        "   (medians over rounds)"
+    )
+    within = normal_within = 0
     for name, values in rows.items():
         p = statistics.median(v[0] for v in values)
         m = statistics.median(v[1] for v in values)
+        n = statistics.median(v[2] for v in values)
         within += abs(p / m - 1) <= 0.20
-        print(f"{name:26s} {p * 1e3:13.1f} {m * 1e3:12.1f} {p / m - 1:+7.1%}")
-    print(f"{within} of {len(rows)} configurations within 20 % ({load()})")
+        normal_within += abs(n) <= 0.20
+        print(f"{name:26s} {p * 1e3:13.1f} {m * 1e3:12.1f} {p / m - 1:+8.1%} {n:+11.1%}")
+    print(f"{within} of {len(rows)} configurations within 20 % ({normal_within} load-normalised) ({load()})")
     return 0
 
 

@@ -42,6 +42,7 @@ def _machine() -> tuple[str, str, int, str | None]:
 def calibrate(budget_s: float = 110.0, ranks: int = 2, log: Callable[[str], None] = print) -> DeviceProfile:
     """Measure kernels, collectives and the trainer's overheads within `budget_s` seconds; the fitted profile."""
     deadline = Deadline(budget_s)
+    cpu_start, waited = time.process_time(), 0.0
     name, kind, memory, gpu = _machine()
     gpu_run = kind == "gpu"
     dtypes = ["bf16"] if gpu_run else ["fp32", "bf16"]
@@ -84,7 +85,9 @@ def calibrate(budget_s: float = 110.0, ranks: int = 2, log: Callable[[str], None
     # the ranks' processes take seconds to start on a quiet machine, a minute on a crowded one: they are given at
     # least 90 s before the measurement is given up (a single-GPU machine starts none)
     remaining = deadline.left() * SHARES["collectives"]
+    start = time.perf_counter()
     world = collectives.measure(ranks, timeout=max(90.0, remaining)) if ranks > 1 else None
+    waited = time.perf_counter() - start  # the other processes' time, not this one's
     if world:
         ring = [tuple(x) for x in world["all_gather"] + world["all_reduce"]]
         intra, err = curves.fit_link(ring)
@@ -132,6 +135,10 @@ def calibrate(budget_s: float = 110.0, ranks: int = 2, log: Callable[[str], None
         notes += host_notes
     samples["notes"] = notes
     samples["load"].append(os.getloadavg()[0])
+    # the share of its threads' time this process got while it measured (1 on a quiet machine; a busy machine's
+    # other work takes the rest): what the measured times include of the load
+    busy = max(1e-9, (deadline.elapsed() - waited) * torch.get_num_threads())
+    samples["cpu_share"] = min(1.0, (time.process_time() - cpu_start) / busy)
     p = _profile(name, kind, memory, gpu, gemm, grouped, attention, bandwidth, intra, local_ranks, alltoall, host,
                  samples)  # fmt: skip
     log(f"calibrate: done in {deadline.elapsed():.0f} s")
