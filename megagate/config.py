@@ -10,6 +10,8 @@ Sections (Megatron-LM's names for the parallel sizes):
     checkpoint: dir, interval, keep_last, load, optimizer_format
     logging:    interval, tensorboard
     monitor:    spike monitor and live diagnostics (megagate.monitor)
+    watchdog:   hang detection: phase limits, heartbeat (megagate.health)
+    straggler:  slow-rank reports: window, margin (megagate.health)
     perf:       performance features (fusions, grouped GEMM, overlap, CUDA graphs, manual GC, profiling) resolved
                 per device by `resolve_perf` (docs/performance.md)
     output:     dir
@@ -35,6 +37,7 @@ import yaml
 from megagate.distributed import layout as layout_rules
 from megagate.distributed.layout import Layout
 from megagate.errors import ConfigError, MegagateError
+from megagate.health.config import StragglerConfig, WatchdogConfig
 from megagate.model import gate as gates
 from megagate.model.config import ModelConfig, ParallelConfig
 from megagate.model.config import from_dict as model_from_dict
@@ -195,6 +198,8 @@ class TrainConfig:
     output: OutputSection = OutputSection()
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     perf: PerfSection = field(default_factory=PerfSection)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
     seed: int = 1234
     raw: dict = field(default_factory=dict, compare=False, repr=False)  # the merged YAML, for the run directory
 
@@ -245,7 +250,20 @@ def _model(values: Any) -> ModelConfig:
     return model_from_dict(values, gate)
 
 
-SECTIONS = ("model", "parallel", "train", "data", "checkpoint", "logging", "output", "monitor", "perf", "seed")
+SECTIONS = (
+    "model",
+    "parallel",
+    "train",
+    "data",
+    "checkpoint",
+    "logging",
+    "output",
+    "monitor",
+    "perf",
+    "watchdog",
+    "straggler",
+    "seed",
+)
 
 
 def _perf(values: Any) -> PerfSection:
@@ -271,6 +289,8 @@ def from_dict(data: Mapping[str, Any], *, environment: bool = True) -> TrainConf
         output=build_section(OutputSection, data.get("output"), "output"),
         monitor=MonitorConfig.from_dict(data.get("monitor")),
         perf=_perf(data.get("perf")),
+        watchdog=WatchdogConfig.from_dict(data.get("watchdog")),
+        straggler=StragglerConfig.from_dict(data.get("straggler")),
         seed=check_type(data.get("seed", 1234), int, "seed"),
         raw=dict(data),
     )

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megagate"
 LAYERS: list[tuple[str, ...]] = [
     ("megagate", "megagate.errors"),
     ("megagate.model",),
-    ("megagate.distributed",),
+    ("megagate.distributed", "megagate.health"),
     ("megagate.data",),
     ("megagate.monitor",),
     ("megagate.perf", "megagate.config"),

@@ -28,6 +28,7 @@ import torch
 
 from megagate.config import TrainConfig
 from megagate.errors import MegagateError
+from megagate.health import progress
 from megagate.train import checkpoint as ckpt
 from megagate.train import components as parts
 from megagate.train import resume as resume_checks
@@ -102,11 +103,14 @@ class Trainer:
         self._restored = False
         tokenizer = None if components.data is None else components.data.tokenizer
         self._data_order = resume_checks.data_order(cfg, tokenizer)
+        self._mark_phases()
 
     # --- the loop --------------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Resume if a checkpoint exists, train to train.train_steps or until a callback stops; the run summary."""
-        self._resume()
+        with progress.within("load"):
+            self._resume()
+        progress.PROGRESS.resumed_at(self.step)
         if self.step >= self.cfg.train.train_steps:
             # a finished run rerun (e.g. a requeued job that had completed): nothing to do, and nothing written —
             # its summary, metrics and checkpoints stay as the finished run left them
@@ -115,6 +119,7 @@ class Trainer:
         try:
             self._call("on_start")
             while self.step < self.cfg.train.train_steps and self.stop_reason is None:
+                progress.PROGRESS.step_started(self.step + 1)
                 self._call("on_step_start", self.step + 1)
                 if self.stop_reason is not None:
                     break
@@ -126,6 +131,7 @@ class Trainer:
                 if output is not None:  # None: a callback restored a checkpoint instead
                     self._call("post_step", output)
             self._call("on_end")
+            progress.enter("end")
         finally:
             self._call("on_close")
         if self.error is not None:
@@ -138,7 +144,9 @@ class Trainer:
         for chunk in self.ddp:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        progress.enter("forward_backward")
         loss = self.forward_backward(microbatches, forward_only=False)
+        progress.enter("optimizer")
         self._call("post_backward", step)
         # Callbacks decide before anything is applied: gradients are reduced and their global norm is known.
         self.scheduler.step(increment=0)  # this update's LR from the schedule (a previous step may have scaled it)
@@ -162,7 +170,20 @@ class Trainer:
         self.step, self.consumed_samples = step, self.consumed_samples + self.cfg.train.global_batch_size
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.summary.update(steps=step, final_loss=loss)
+        progress.PROGRESS.step_finished()
         return StepOutput(step, loss, grad_norm, lr, time.perf_counter() - start, applied)
+
+    def _mark_phases(self) -> None:
+        """Phase markers for the watchdog and the straggler report (megagate.health.progress): megatron's gradient
+        reduction at the end of the schedule is the grad_sync phase; the pipeline stage groups the ranks."""
+        from megatron.core import parallel_state
+
+        progress.PROGRESS.reset()
+        if parallel_state.model_parallel_is_initialized():
+            progress.PROGRESS.stage = parallel_state.get_pipeline_model_parallel_rank()
+        config = self.model[0].config
+        if config.finalize_model_grads_func is not None:
+            config.finalize_model_grads_func = progress.marking("grad_sync", config.finalize_model_grads_func)
 
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
@@ -205,6 +226,10 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Checkpoint the current state (a collective call: every rank must make it)."""
+        with progress.within("save"):
+            return self._save_checkpoint()
+
+    def _save_checkpoint(self) -> Path:
         parts.sync_params(self.ddp)  # overlapped parameter all-gather: the last update is not gathered yet
         data = self.components.data
         meta = {
@@ -237,7 +262,8 @@ class Trainer:
         return meta
 
     def _load(self, path: Path, same_layout: bool) -> dict[str, Any]:
-        meta = self.checkpointer.load(path, self.model, self.optimizer, same_layout=same_layout)
+        with progress.within("load"):
+            meta = self.checkpointer.load(path, self.model, self.optimizer, same_layout=same_layout)
         # megatron's load_state_dict *adds* the saved step count to the scheduler's own (right only for a fresh
         # one): a restore in a running trainer would otherwise jump the schedule forward, to min_lr
         self.scheduler.num_steps = 0

@@ -29,7 +29,7 @@ def default_callbacks(cfg: TrainConfig) -> list[Callback]:
     m = cfg.monitor
     callbacks: list[Callback] = [StopChecks(), MetricsLogger()]
     if m.faults:
-        callbacks.append(FaultInjection(m.faults))
+        callbacks.append(FaultInjection(m.faults, cfg.output.dir))
     if m.spike.enabled:
         callbacks.append(SpikeMonitoring(m.spike))
     if m.diagnostics.interval:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megagate.health import progress
 from megagate.train import components as parts
 from megagate.train.callbacks.base import Callback
 from megagate.train.callbacks.metrics import MetricsLogger
@@ -23,7 +24,7 @@ def evaluate(trainer: Trainer) -> float:
     for chunk in trainer.model:
         chunk.eval()
     losses = []
-    with torch.no_grad():
+    with torch.no_grad(), progress.within("evaluation"):
         for _ in range(cfg.train.eval_iters):
             batches = [next(data) for _ in range(trainer.layout.num_microbatches)]
             losses.append(trainer.forward_backward(batches, forward_only=True))
