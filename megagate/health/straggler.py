@@ -116,6 +116,8 @@ class StragglerDetector:
                 w = by_rank[rank]
                 median, others_wait = medians[rank]
                 reports.append(
-                    StragglerReport(step, rank, w.host, ratios[rank], w.compute_s, median, w.wait_s, others_wait, streak)
+                    StragglerReport(
+                        step, rank, w.host, ratios[rank], w.compute_s, median, w.wait_s, others_wait, streak
+                    )
                 )
         return WindowSummary(step, ratios, tuple(reports))

@@ -45,7 +45,17 @@ KINDS = STEP_KINDS + CLUSTER_KINDS
 FIELDS = ("step", "kind", "factor", "rank", "host", "phase")
 # where a hang can be injected: the trainer's phases (megagate.health.config.PHASES) and `write`, inside the
 # checkpoint writer (the background process of an asynchronous save)
-HANG_PHASES = ("data", "forward_backward", "grad_sync", "optimizer", "after_step", "evaluation", "save", "load", "write")
+HANG_PHASES = (
+    "data",
+    "forward_backward",
+    "grad_sync",
+    "optimizer",
+    "after_step",
+    "evaluation",
+    "save",
+    "load",
+    "write",
+)
 
 
 def check_fault(

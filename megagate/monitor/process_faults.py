@@ -56,8 +56,14 @@ class ProcessFaults:
                 self._fired.add(i)
                 channel.append_event(
                     self.run_dir,
-                    {"kind": "fault", "fault": f.to_dict(), "rank": self.rank, "host": self.host, "step": step,
-                     "time": time.time()},
+                    {
+                        "kind": "fault",
+                        "fault": f.to_dict(),
+                        "rank": self.rank,
+                        "host": self.host,
+                        "step": step,
+                        "time": time.time(),
+                    },
                 )
                 return f
         return None

@@ -28,7 +28,6 @@ import os
 import random
 import re
 import shutil
-import sys
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,8 +37,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from megagate.console import warn
 from megagate.distributed import megatron_cpu
+from megagate.distributed.utils import (
+    barrier,
+    broadcast_object,
+    gather_objects,
+    get_rank,
+    get_world_size,
+    is_distributed,
+)
 from megagate.errors import MegagateError
+from megagate.files import publish_dir
 from megagate.train import safe_files
 
 _NAME = re.compile(r"^iter_(\d{7})$")
@@ -103,49 +112,8 @@ def read_meta(path: str | os.PathLike) -> dict:
     return data
 
 
-# --- collectives (every call below is made by every rank; without a process group they are local) ---------------
-def _dist() -> bool:
-    return torch.distributed.is_initialized()
-
-
-def _barrier() -> None:
-    if _dist():
-        torch.distributed.barrier()
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if _dist() else 0
-
-
-def _world() -> int:
-    return torch.distributed.get_world_size() if _dist() else 1
-
-
-def gather_objects(obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order, on every rank."""
-    if not _dist() or _world() == 1:
-        return [obj]
-    out: list[Any] = [None] * _world()
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
-def _from_rank0(obj: Any) -> Any:
-    """Rank 0's `obj` on every rank."""
-    if not _dist() or _world() == 1:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _first(reasons: list[str | None]) -> str | None:
     return next((r for r in reasons if r), None)
-
-
-def _warn(message: str) -> None:
-    if _rank() == 0:
-        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 # --- manifest ----------------------------------------------------------------------------------------------------
@@ -192,7 +160,7 @@ def verify(path: str | os.PathLike, collective: bool = True) -> str | None:
     Collective (each rank checksums a share of the files and all ranks agree) unless `collective` is False.
     """
     path = Path(path)
-    rank, world = (_rank(), _world()) if collective else (0, 1)
+    rank, world = (get_rank(), get_world_size()) if collective else (0, 1)
     reason = None
     try:
         manifest = read_manifest(path)
@@ -226,7 +194,7 @@ def safety_check(path: str | os.PathLike, collective: bool = True) -> str | None
     Rank 0 scans (`safe_files.check_checkpoint`) and tells the others, so all raise or go on together.
     """
     result: tuple[str, str] | None = None
-    if not collective or _rank() == 0:
+    if not collective or get_rank() == 0:
         try:
             safe_files.check_checkpoint(path)
         except safe_files.UnsafeFileError as exc:
@@ -236,7 +204,7 @@ def safety_check(path: str | os.PathLike, collective: bool = True) -> str | None
         except OSError as exc:
             result = ("damaged", f"cannot be read ({exc.strerror or exc})")
     if collective:
-        result = _from_rank0(result)
+        result = broadcast_object(result)
     if result is not None and result[0] == "unsafe":
         raise safe_files.UnsafeFileError(result[1])
     return None if result is None else result[1]
@@ -392,7 +360,7 @@ class Checkpointer:
         from its manifest, else the model's parameters (plus Adam's state) summed over the job."""
         model_bytes, params = _local_parameters(model_chunks)
         totals = torch.tensor([model_bytes, params], dtype=torch.float64)
-        if _dist():
+        if is_distributed():
             torch.distributed.all_reduce(totals)
         dp = _data_parallel_size()  # data-parallel replicas hold the same parameters
         estimate = tensor_estimate(int(totals[0]) // dp, int(totals[1]) // dp, optimizer is not None)
@@ -410,7 +378,7 @@ class Checkpointer:
     def _check_free_space(self, final: Path, model_chunks: list, optimizer: Any) -> None:
         estimate, source = self.estimate_bytes(model_chunks, optimizer)
         message = None
-        if _rank() == 0:
+        if get_rank() == 0:
             probe = self.root
             while not probe.exists() and probe != probe.parent:
                 probe = probe.parent
@@ -423,7 +391,7 @@ class Checkpointer:
                     f"not enough free space for checkpoint {final}: it needs about {needed:,} bytes ({source}, "
                     f"+5% and 1 MiB), {free:,} are free on {probe}{hint}"
                 )
-        message = _from_rank0(message)
+        message = broadcast_object(message)
         if message:
             raise MegagateError(message)
 
@@ -432,9 +400,9 @@ class Checkpointer:
         error = _first(gather_objects(error))
         if error is None:
             return
-        if _rank() == 0:
+        if get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        _barrier()
+        barrier()
         good = latest(self.root)
         kept = f"; the last good checkpoint {good} is unchanged" if good else ""
         raise MegagateError(f"cannot write checkpoint {tmp}: {error}{kept}")
@@ -447,7 +415,7 @@ class Checkpointer:
         tmp = self.root / f".{checkpoint_name(step)}.tmp"
         self._check_free_space(final, model_chunks, optimizer)
         error = None
-        if _rank() == 0:
+        if get_rank() == 0:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 for stale in self.root.glob(".iter_*.tmp"):
@@ -461,33 +429,33 @@ class Checkpointer:
         state = _sharded_state(model_chunks, optimizer, optimizer_format, is_loading=False)
         try:
             dist_checkpointing.save(state, str(tmp))
-            torch.save(rng_state(), tmp / f"rng_{_rank()}.pt")
+            torch.save(rng_state(), tmp / f"rng_{get_rank()}.pt")
         except Exception as exc:  # megatron and torch DCP wrap the OSError of a failed write
             cause = _os_error_in(exc)
             if cause is None:
                 raise
             error = _os_message(cause)
         self._fail_if_any(error, tmp)
-        if _rank() == 0:
+        if get_rank() == 0:
             try:
                 (tmp / META).write_text(json.dumps({**meta, "step": step}, indent=1, default=str))
             except OSError as exc:
                 error = _os_message(exc)
         self._fail_if_any(error, tmp)
         # the manifest: rank 0 lists the folder, each rank checksums a share, rank 0 writes it and renames
-        names = _from_rank0(sorted(e.name for e in tmp.iterdir() if e.is_file()) if _rank() == 0 else None)
+        names = broadcast_object(sorted(e.name for e in tmp.iterdir() if e.is_file()) if get_rank() == 0 else None)
         share: dict[str, dict[str, int]] = {}
         try:
-            share = _records(tmp, names[_rank() :: _world()])
+            share = _records(tmp, names[get_rank() :: get_world_size()])
         except OSError as exc:
             error = _os_message(exc)
         self._fail_if_any(error, tmp)
         shares = gather_objects(share)
-        if _rank() == 0:
+        if get_rank() == 0:
             files = {name: record for part in shares for name, record in part.items()}
             manifest = {
                 "step": step,
-                "world_size": _world(),
+                "world_size": get_world_size(),
                 "total_bytes": sum(r["size"] for r in files.values()),
                 "files": dict(sorted(files.items())),
             }
@@ -496,15 +464,14 @@ class Checkpointer:
                     json.dump(manifest, f, indent=1)
                     f.flush()
                     os.fsync(f.fileno())
-                if final.exists():  # a re-save of the same step (e.g. stop request right after an interval save)
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
+                # a re-save of the same step (e.g. stop request right after an interval save) replaces it
+                publish_dir(tmp, final)
             except OSError as exc:
                 error = _os_message(exc)
         self._fail_if_any(error, tmp)
-        if _rank() == 0:
+        if get_rank() == 0:
             self._prune()  # only after a successful save: the new checkpoint is complete
-        _barrier()
+        barrier()
         return final
 
     def _prune(self) -> None:
@@ -532,7 +499,7 @@ class Checkpointer:
             with torch.no_grad():
                 optimizer.load_state_dict(loaded["optimizer"])
             megatron_cpu.unshare_adam_steps(optimizer)
-        rng_file = path / f"rng_{_rank()}.pt"
+        rng_file = path / f"rng_{get_rank()}.pt"
         if same_layout:
             # data only (tensors, ints, tuples): a crafted file cannot run code here
             set_rng_state(safe_files.load_torch_data(rng_file, rng_file))
@@ -586,7 +553,7 @@ class Checkpointer:
         moved to <root>/damaged/ with a one-line warning, and the next newest is tried. When every one is damaged,
         a one-line MegagateError.
         """
-        candidates = _from_rank0([str(p) for _, p in reversed(_iter_dirs(self.root))] if _rank() == 0 else None)
+        candidates = broadcast_object([str(p) for _, p in reversed(_iter_dirs(self.root))] if get_rank() == 0 else None)
         if not candidates:
             return None
         moved: list[str] = []
@@ -628,7 +595,7 @@ class Checkpointer:
     def _move_aside(self, path: Path, reason: str, next_step: str) -> str:
         """Move a damaged checkpoint into <root>/damaged/ (never delete it); warn in one line. Returns where."""
         where = None
-        if _rank() == 0:
+        if get_rank() == 0:
             target_dir = self.root / DAMAGED
             target = target_dir / path.name
             n = 1
@@ -641,8 +608,8 @@ class Checkpointer:
                 where = str(target)
             except OSError as exc:
                 where = f"(not moved: {_os_message(exc)})"
-        where = _from_rank0(where)
-        _warn(f"checkpoint {path} is damaged ({reason}); moved to {where}; {next_step}")
+        where = broadcast_object(where)
+        warn(f"checkpoint {path} is damaged ({reason}); moved to {where}; {next_step}")
         return where
 
 

@@ -20,8 +20,8 @@ import hashlib
 import os
 from typing import Any
 
-from megagate.config import MEGATRON_LR_STYLE, TrainConfig
 from megagate.errors import MegagateError
+from megagate.run_config import MEGATRON_LR_STYLE, TrainConfig
 
 # Fields of ModelConfig that define the weights (their shapes or their meaning); the others (init, rotary base,
 # maximum length, MoE loss coefficients) may change between launches.

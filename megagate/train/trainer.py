@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megagate.config import TrainConfig
+from megagate.console import log
 from megagate.errors import MegagateError
 from megagate.health import progress
+from megagate.run_config import TrainConfig
 from megagate.train import checkpoint as ckpt
 from megagate.train import components as parts
 from megagate.train import resume as resume_checks
-from megagate.train.metrics import log
 
 if TYPE_CHECKING:
     from megagate.train.callbacks import Callback

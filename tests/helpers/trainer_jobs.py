@@ -224,11 +224,11 @@ def _run_one(job: dict) -> tuple[int, str]:
 
     if not job["snapshots"] and not job["hooks"]:
         return cli.main(["train", *job["argv"]]), ""
-    from megagate import config as config_mod
+    from megagate import config_reader
     from megagate.distributed import parallel
     from megagate.train.trainer import train
 
-    cfg = config_mod.load(job["argv"][1], job["argv"][2:])
+    cfg = config_reader.load(job["argv"][1], job["argv"][2:])
     out = Path(job["dir"])
     parallel.init_distributed(0, 1, str(out / "rendezvous"), backend="gloo")
     try:

@@ -17,9 +17,9 @@ import torch
 from helpers import trainer_jobs
 from megagate.errors import ConfigError, MegagateError
 from megagate.monitor import runfiles
-from megagate.monitor.config import MonitorConfig
 from megagate.monitor.events import EventLog
 from megagate.monitor.faults import Fault, FaultInjector
+from megagate.monitor.settings import MonitorConfig
 from megagate.monitor.spike import (
     SpikeMonitor,
     SpikeMonitorConfig,
@@ -319,7 +319,9 @@ def test_abort_saves_and_stops_with_an_error(runs):
 
 
 def test_faults_validate():
-    with pytest.raises(ConfigError, match="kind='melt' is not one of corrupt_batch, scale_loss, scale_lr, nan_grad"):
+    with pytest.raises(
+        ConfigError, match="kind='melt' is not one of corrupt_batch, scale_loss, scale_lr, nan_grad, hang, slow_rank"
+    ):
         Fault(3, "melt")
     inj = FaultInjector([Fault.from_dict({"step": 5, "kind": "scale_lr", "factor": 100.0})])
     assert inj.lr_scale(5) == 100.0 and inj.lr_scale(6) == 1.0 and inj.lr_scale(5) == 1.0  # fires once
@@ -343,11 +345,11 @@ def test_faults_validate():
         ({"spikes": {}}, "monitor.spikes is not a known key; allowed: diagnostics, faults, spike"),
         (
             {"faults": [{"step": 3, "kind": "nan_grad", "strength": 2}]},
-            "monitor.faults[0].strength is not a known key; allowed: factor, kind, step",
+            "monitor.faults[0].strength is not a known key; allowed: factor, host, kind, phase, rank, step",
         ),
         (
             {"faults": [{"step": 3, "kind": "nan_grad"}, {"step": 4, "kind": "melt"}]},
-            "monitor.faults[1].kind='melt' is not one of corrupt_batch, scale_loss, scale_lr, nan_grad",
+            "monitor.faults[1].kind='melt' is not one of corrupt_batch, scale_loss, scale_lr, nan_grad, hang",
         ),
         ({"faults": [{"kind": "nan_grad"}]}, "monitor.faults[0] needs a step"),
         ({"faults": {"step": 3}}, "monitor.faults must be a list of {step, kind, factor} mappings"),
@@ -413,7 +415,7 @@ def test_event_log_jsonl_and_tensorboard(tmp_path):
 def test_replayed_monitor_equals_the_trainers_events(runs):
     """`megagate report --replay-monitor` replays the monitor over the logged curve: at the trainer's own settings it
     must give exactly the steps the trainer flagged (clean runs, and a run whose skipped step was NaN)."""
-    from megagate.monitor.replay import parse_settings, replay_events
+    from megagate.analysis.replay import parse_settings, replay_events
 
     flagged = 0
     for name in ("g1-elementwise@3e-3", "baseline@1e-2", "skip"):

@@ -4,17 +4,17 @@ base.py      Callback: the hooks and their order
 metrics.py   MetricsLogger (config.yaml, metrics.jsonl, TensorBoard, console), RunSummary (summary.json)
 cadence.py   StopChecks (signals, wall time, exit_after_steps), Evaluation, Checkpointing
 monitor.py   FaultInjection, SpikeMonitoring (skip / rollback / lr_backoff / abort), LiveDiagnostics
-perf.py      ManualGC, Profiling (the perf section: perf.manual_gc_interval, perf.profile)
+profiling.py ManualGC, Profiling (the perf section: perf.manual_gc_interval, perf.profile)
 """
 
 from __future__ import annotations
 
-from megagate.config import TrainConfig
+from megagate.run_config import TrainConfig
 from megagate.train.callbacks.base import Callback
 from megagate.train.callbacks.cadence import Checkpointing, Evaluation, StopChecks, evaluate
 from megagate.train.callbacks.metrics import MetricsLogger, RunSummary
 from megagate.train.callbacks.monitor import FaultInjection, LiveDiagnostics, SpikeMonitoring
-from megagate.train.callbacks.perf import ManualGC, Profiling, perf_callbacks
+from megagate.train.callbacks.profiling import ManualGC, Profiling, perf_callbacks
 
 
 def default_callbacks(cfg: TrainConfig) -> list[Callback]:

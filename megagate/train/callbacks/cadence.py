@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megagate.console import log
 from megagate.health import progress
 from megagate.train import components as parts
 from megagate.train.callbacks.base import Callback
 from megagate.train.callbacks.metrics import MetricsLogger
-from megagate.train.metrics import log
 from megagate.train.signals import StopConditions
 
 if TYPE_CHECKING:

@@ -6,10 +6,12 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
+from megagate.console import log
+from megagate.files import write_atomic
 from megagate.model.counts import flops_per_token
 from megagate.monitor import runfiles
 from megagate.train.callbacks.base import Callback
-from megagate.train.metrics import Metrics, log
+from megagate.train.metric_writer import Metrics
 
 if TYPE_CHECKING:
     from megagate.train.trainer import StepOutput, Trainer
@@ -36,7 +38,7 @@ class MetricsLogger(Callback):
         cfg, t = trainer.cfg, trainer.cfg.train
         if trainer.logging_rank:
             os.makedirs(cfg.output.dir, exist_ok=True)
-            runfiles.write_atomic(os.path.join(cfg.output.dir, runfiles.CONFIG), _yaml(cfg.raw))
+            write_atomic(os.path.join(cfg.output.dir, runfiles.CONFIG), _yaml(cfg.raw))
             if trainer.step:  # resumed: what a killed launch logged after the checkpoint is logged again now
                 dropped = runfiles.truncate_after(cfg.output.dir, trainer.step)
                 if dropped:

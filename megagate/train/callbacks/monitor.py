@@ -16,17 +16,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megagate.monitor import diagnostics, runfiles
-from megagate.monitor.events import EventLog
+from megagate.console import log
 from megagate.health.watchdog import host_name
-from megagate.monitor import process_faults
+from megagate.monitor import diagnostics, process_faults, runfiles
+from megagate.monitor.events import EventLog
 from megagate.monitor.faults import Fault, FaultInjector
 from megagate.monitor.spike import SpikeAbort, SpikeMonitor, SpikeMonitorConfig, worst_action
 from megagate.train import checkpoint as ckpt
 from megagate.train import components as parts
 from megagate.train.callbacks.base import Callback
 from megagate.train.callbacks.metrics import MetricsLogger
-from megagate.train.metrics import log
 
 if TYPE_CHECKING:
     from megagate.train.trainer import StepOutput, Trainer, Update

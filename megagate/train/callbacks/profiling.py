@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import gc
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megagate.config import ProfileSection, TrainConfig
+from megagate.distributed.utils import get_rank
+from megagate.files import atomic_path
+from megagate.run_config import ProfileSection, TrainConfig
 from megagate.train.callbacks.base import Callback
 
 if TYPE_CHECKING:
@@ -66,12 +67,9 @@ class Profiling(Callback):
         self._step_range: Any = None
         self._last_step = 0
 
-    def _rank(self) -> int:
-        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
     def on_step_start(self, trainer: Trainer, step: int) -> None:
         self._close_step()  # a step a restore() dropped never reached post_step
-        if step == self.start and self._profiler is None and self._rank() in self.ranks:
+        if step == self.start and self._profiler is None and get_rank() in self.ranks:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -111,25 +109,17 @@ class Profiling(Callback):
             self._emit_nvtx = None
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
-        path = trace_path(self.directory, self._rank(), [self.start, min(self.end, self._last_step)])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # export_chrome_trace writes a file by name: write it beside the target, then rename (atomic)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            profiler.export_chrome_trace(tmp)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        path = trace_path(self.directory, get_rank(), [self.start, min(self.end, self._last_step)])
+        with atomic_path(path) as tmp:  # export_chrome_trace writes a file by name
+            profiler.export_chrome_trace(str(tmp))
 
 
 def perf_callbacks(cfg: TrainConfig) -> list[Callback]:
     """The callbacks the perf section asks for on this machine."""
-    from megagate.perf import Device, resolve_perf
+    from megagate.machine import Machine
+    from megagate.perf import resolve_perf
 
-    perf = resolve_perf(cfg, Device.detect())
+    perf = resolve_perf(cfg, Machine.detect())
     callbacks: list[Callback] = []
     if perf.manual_gc_interval:
         callbacks.append(ManualGC(perf.manual_gc_interval))
