@@ -86,6 +86,6 @@ def diagnose(before: Mapping[int, Mapping], after: Mapping[int, Mapping], world_
         for r in waiting:
             groups.setdefault((_where(after[r]), after[r].get("where", "?")), []).append(r)
         for (where, frame), ranks in groups.items():
-            parts.append(f"{_ranks(ranks)} wait in {where} ({frame})")
+            parts.append(f"{_ranks(ranks)} {'waits' if len(ranks) == 1 else 'wait'} in {where} ({frame})")
     line = "hang: " + "; ".join(parts) + f"; stacks in {stacks}"
     return Diagnosis(line, tuple(culprits), hosts, tuple(waiting), details)

@@ -56,12 +56,15 @@ def limit(cfg: WatchdogConfig, snap: Snapshot) -> float | None:
     if snap.phase == "end":
         return None
     floors = cfg.floors
-    if snap.phase in TIMED_PHASES:
+    first = False  # the first steps of a launch, and the first save / load / evaluation: warm-up (imports,
+    if snap.phase in TIMED_PHASES:  # compilation, first collectives; a first save imports torch in megatron's
+        first = snap.phase not in snap.last_s  # writer process)
         reference = snap.last_s.get(snap.phase, 0.0)
     else:
+        first = snap.step <= snap.start_step + cfg.warmup_steps
         reference = snap.recent_step_s
     seconds = max(floors.get(snap.phase, max(floors.values())), cfg.step_multiple * reference)
-    if snap.phase == "setup" or (snap.phase != "load" and snap.step <= snap.start_step + cfg.warmup_steps):
+    if snap.phase == "setup" or first:
         seconds = max(seconds, cfg.warmup_s)
     return seconds
 
@@ -96,6 +99,9 @@ class Watchdog:
         self._thread.start()
 
     def stop(self) -> None:
+        global _current
+        if _current is self:
+            _current = None
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5 * self.cfg.heartbeat_s)
@@ -184,6 +190,7 @@ class Watchdog:
                 "compute_s": snap.compute_s,
                 "wait_s": snap.wait_s,
                 "timed_steps": snap.timed_steps,
+                "last_s": snap.last_s,
             }
         )
 
@@ -247,6 +254,14 @@ class Watchdog:
                 print(f"megagate watchdog: killed {describe(rec)} (pid {pid}): it stopped responding", file=sys.stderr)
 
 
+_current: Watchdog | None = None
+
+
+def current() -> Watchdog | None:
+    """The running watchdog of this process (None: not started, or disabled)."""
+    return _current
+
+
 def agreed_launch_name() -> str:
     """Rank 0's name for this launch's folder, on every rank (one broadcast at start-up, none later)."""
     import torch.distributed as dist
@@ -269,4 +284,6 @@ def start(cfg: WatchdogConfig, run_dir: str | os.PathLike) -> Watchdog | None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
     dog = Watchdog(cfg, run_dir, rank, world, agreed_launch_name())
     dog.start()
+    global _current
+    _current = dog
     return dog

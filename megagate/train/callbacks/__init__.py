@@ -5,6 +5,7 @@ metrics.py   MetricsLogger (config.yaml, metrics.jsonl, TensorBoard, console), R
 cadence.py   StopChecks (signals, wall time, exit_after_steps), Evaluation, Checkpointing
 monitor.py   FaultInjection, SpikeMonitoring (skip / rollback / lr_backoff / abort), LiveDiagnostics
 profiling.py ManualGC, Profiling (the perf section: perf.manual_gc_interval, perf.profile)
+health.py    StragglerReport (the straggler section; the hang watchdog runs beside the trainer: megagate.health)
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from megagate.run_config import TrainConfig
 from megagate.train.callbacks.base import Callback
 from megagate.train.callbacks.cadence import Checkpointing, Evaluation, StopChecks, evaluate
+from megagate.train.callbacks.health import StragglerReport
 from megagate.train.callbacks.metrics import MetricsLogger, RunSummary
 from megagate.train.callbacks.monitor import FaultInjection, LiveDiagnostics, SpikeMonitoring
 from megagate.train.callbacks.profiling import ManualGC, Profiling, perf_callbacks
@@ -34,6 +36,8 @@ def default_callbacks(cfg: TrainConfig) -> list[Callback]:
         callbacks.append(SpikeMonitoring(m.spike))
     if m.diagnostics.interval:
         callbacks.append(LiveDiagnostics(m.diagnostics.interval))
+    if cfg.straggler.enabled:
+        callbacks.append(StragglerReport(cfg.straggler))
     # the profiler's step ranges wrap only the step (before evaluation and checkpointing, which are not profiled)
     return callbacks + perf_callbacks(cfg) + [Evaluation(), Checkpointing(), RunSummary()]
 
@@ -50,6 +54,7 @@ __all__ = [
     "RunSummary",
     "SpikeMonitoring",
     "StopChecks",
+    "StragglerReport",
     "default_callbacks",
     "evaluate",
 ]
