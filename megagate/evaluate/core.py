@@ -53,7 +53,7 @@ class Options:
 # --- before anything is built ------------------------------------------------------------------------------------
 def resolve_checkpoint(given: str) -> Path:
     """An iter_NNNNNNN folder from a checkpoint, a checkpoint root or a run folder (its newest complete one)."""
-    from megagate.train import checkpoint as ckpt
+    from megagate import checkpoint as ckpt
 
     path = ckpt.resolve(given)
     if not (path / ckpt.META).exists():
@@ -66,8 +66,8 @@ def resolve_checkpoint(given: str) -> Path:
 
 def prepare(given: str, rope: dict[str, Any], lengths: list[int], name: str | None = None) -> Prepared:
     """Read a checkpoint's metadata and config (no tensors), apply --rope and check the lengths against it."""
+    from megagate import checkpoint as ckpt
     from megagate import config_reader
-    from megagate.train import checkpoint as ckpt
     from megagate.train.load import run_tokenizer
 
     path = resolve_checkpoint(given)
@@ -168,9 +168,9 @@ def load_chunks(p: Prepared, opts: Options) -> list:
     """This rank's model chunk(s) of `p` in eval mode, its tensors loaded (resharded) from the checkpoint."""
     from megatron.core import parallel_state
 
+    from megagate import checkpoint as ckpt
     from megagate.distributed.utils import gather_objects
     from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.train import checkpoint as ckpt
     from megagate.train.components import precision_kwargs, resolve_backend
 
     scanned = ckpt.safety_check(p.path)  # before anything unpickles it (collective: every rank agrees)

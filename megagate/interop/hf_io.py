@@ -61,8 +61,8 @@ def check_out(out: str | os.PathLike, force: bool) -> Path:
 
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 def _run_config(path: Path) -> Any:
+    from megagate import checkpoint as ckpt
     from megagate import config_reader
-    from megagate.train import checkpoint as ckpt
 
     meta = ckpt.read_meta(path)
     if not isinstance(meta.get("config"), dict):
@@ -108,8 +108,8 @@ def export_checkpoint(
     (`train.load.load_model_for_analysis`: dist_checkpointing reshards it) and converted by `interop.hf`.
     float32 keeps the trained values exactly; bfloat16 rounds every tensor.
     """
+    from megagate import checkpoint as ckpt
     from megagate.interop import hf
-    from megagate.train import checkpoint as ckpt
     from megagate.train.load import load_model_for_analysis, run_tokenizer
 
     if dtype not in DTYPES:
@@ -414,7 +414,7 @@ def _save_once(root: Path, model: torch.nn.Module, meta: Mapping[str, Any]) -> P
     the one started here is stopped after the save, so an import in a long-lived process leaves no child behind."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megagate.train import checkpoint as ckpt
+    from megagate import checkpoint as ckpt
     from megagate.train import children
 
     ours = filesystem_async._results_queue is None

@@ -58,12 +58,12 @@ def load_model_for_analysis(
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    from megagate import checkpoint as ckpt
     from megagate import config_reader
     from megagate.data.tokenizer import load_tokenizer
     from megagate.distributed import megatron_cpu
     from megagate.model.build import build_gpt_model, transformer_config
     from megagate.model.model_config import ParallelConfig
-    from megagate.train import checkpoint as ckpt
     from megagate.train.components import precision_kwargs, resolve_backend
 
     path = ckpt.resolve(checkpoint_dir)

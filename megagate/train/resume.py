@@ -149,7 +149,7 @@ def order_changed(saved: dict[str, Any] | None, dataset: Any) -> bool:
 
 def newest_meta(root: str | os.PathLike) -> dict[str, Any] | None:
     """The metadata of the newest complete checkpoint under `root` whose metadata reads, or None."""
-    from megagate.train import checkpoint as ckpt
+    from megagate import checkpoint as ckpt
 
     for _, path in reversed(ckpt.complete_checkpoints(root)):
         try:

@@ -152,9 +152,9 @@ def test_resume_accepts_changed_position_embedding(run_dir):
     through, and still refuses a change of a weight-defining field."""
     import copy
 
+    from megagate import checkpoint as ckpt
     from megagate import config_reader
     from megagate.errors import MegagateError
-    from megagate.train import checkpoint as ckpt
     from megagate.train.resume import check_compatible
 
     meta = ckpt.read_meta(run_dir / "checkpoints" / "iter_0000012")

@@ -205,6 +205,10 @@ def _test_callbacks(job: dict, out: Path) -> list[Any]:
         def post_step(self, trainer: Any, output: Any) -> None:
             self._record("post_step", output.step)
 
+        def post_checkpoint_saved(self, trainer: Any, path: Any, step: int) -> None:
+            assert Path(path).name == f"iter_{step:07d}" and (Path(path) / "manifest.json").is_file()
+            self._record("post_checkpoint_saved", step)
+
         def on_end(self, trainer: Any) -> None:
             self._record("on_end")
 

@@ -87,8 +87,8 @@ def test_load_model_for_analysis_has_the_trained_weights(trained: Path, megatron
         assert torch.equal(sh.data, expected), sh.key
         compared += 1
     assert compared == 2 * 7 + 2  # 7 tensors per layer (gate fused into linear_qkv), embedding, final norm
+    from megagate import checkpoint as ckpt
     from megagate import config_reader
-    from megagate.train import checkpoint as ckpt
 
     cfg = config_reader.from_dict(ckpt.read_meta(trained)["config"])
     ids = encode(SAMPLE_TEXT)
@@ -125,9 +125,9 @@ def test_analysis_reproduces_the_live_diagnostics(trained: Path, megatron_world)
     """The checkpoint's model on the trainer's probe batch gives the numbers the trainer logged at that step."""
     import json
 
+    from megagate import checkpoint as ckpt
     from megagate import config_reader, run_config
     from megagate.monitor import diagnostics
-    from megagate.train import checkpoint as ckpt
     from megagate.train import components
     from megagate.train.load import load_model_for_analysis
 

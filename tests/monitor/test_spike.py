@@ -292,7 +292,7 @@ def test_rollback_restores_and_skips_the_window(runs):
     # step 26 reads batch 28 (batches 26 and 27 are dropped), so its loss differs
     assert [r["loss"] for r in first[:5]] == [r["loss"] for r in replayed[:5]]
     assert first[5]["step"] == replayed[5]["step"] == 26 and first[5]["loss"] != replayed[5]["loss"]
-    from megagate.train import checkpoint
+    from megagate import checkpoint
 
     meta = checkpoint.read_meta(checkpoint.latest(run.dir / "checkpoints"))
     assert meta["step"] == 40 and meta["x_monitor"]["rollbacks"] == [
@@ -311,7 +311,7 @@ def test_abort_saves_and_stops_with_an_error(runs):
     assert {e["step"] for e in events} == {K_ABORT} and events[0]["metric"] == "loss"
     assert events[0]["value"] > math.log(2048) > events[0]["baseline"] + 0.5
     assert max(run.by_step()) == K_ABORT
-    from megagate.train import checkpoint
+    from megagate import checkpoint
 
     assert checkpoint.latest(run.dir / "checkpoints").name == f"iter_{K_ABORT:07d}"
     s = run.summary()

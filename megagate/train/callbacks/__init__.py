@@ -20,14 +20,9 @@ from megagate.train.callbacks.profiling import ManualGC, Profiling, perf_callbac
 
 
 def default_callbacks(cfg: TrainConfig) -> list[Callback]:
-    """The callbacks of `megagate train`, in the order that matters:
-
-    metrics before everything that logs through its writer; faults before the spike monitor (it judges the
-    faulted loss; LR factors multiply in this order); evaluation before checkpointing (a checkpoint holds the state
-    after an evaluation of the same step: the validation loader draws from the RNG) — except at the end, where
-    Evaluation has the final checkpoint saved first, so a failing final validation loses nothing; the summary last
-    (it reports the final validation).
-    """
+    """The callbacks of `megagate train` for `cfg`. Their order is each class's `priority` (the trainer sorts):
+    StopChecks 100, MetricsLogger 90, FaultInjection 80, SpikeMonitoring 70, LiveDiagnostics 60, StragglerReport 55,
+    ManualGC 50, Profiling 40, Evaluation 30, Checkpointing 20, RunSummary 10; each class says why in its docstring."""
     m = cfg.monitor
     callbacks: list[Callback] = [StopChecks(), MetricsLogger()]
     if m.faults:
@@ -38,7 +33,6 @@ def default_callbacks(cfg: TrainConfig) -> list[Callback]:
         callbacks.append(LiveDiagnostics(m.diagnostics.interval))
     if cfg.straggler.enabled:
         callbacks.append(StragglerReport(cfg.straggler))
-    # the profiler's step ranges wrap only the step (before evaluation and checkpointing, which are not profiled)
     return callbacks + perf_callbacks(cfg) + [Evaluation(), Checkpointing(), RunSummary()]
 
 

@@ -11,30 +11,30 @@ StragglerReport  every `straggler.interval` steps the logging rank reads every r
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from megagate.console import log
 from megagate.health import channel, watchdog
 from megagate.health.config import StragglerConfig
 from megagate.health.straggler import StragglerDetector
-from megagate.train.callbacks.base import Callback
+from megagate.train.callbacks.base import Callback, StepOutput, TrainerView
 from megagate.train.callbacks.metrics import MetricsLogger
-
-if TYPE_CHECKING:
-    from megagate.train.trainer import StepOutput, Trainer
 
 
 class StragglerReport(Callback):
+    """After MetricsLogger (90: its TensorBoard writer exists at on_start); reads files only, so its place among
+    the step's other callbacks does not matter."""
+
+    priority = 55
+
     def __init__(self, cfg: StragglerConfig) -> None:
         self.cfg = cfg
         self.detector = StragglerDetector(cfg.margin, cfg.windows)
         self.writer = None
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         logger = trainer.callback(MetricsLogger)
         self.writer = None if logger is None else logger.writer
 
-    def post_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         dog = watchdog.current()
         if dog is None or not trainer.logging_rank or output.step % self.cfg.interval:
             return

@@ -12,17 +12,14 @@ from __future__ import annotations
 import gc
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from megagate.distributed.utils import get_rank
 from megagate.files import atomic_path
 from megagate.run_config import ProfileSection, TrainConfig
-from megagate.train.callbacks.base import Callback
-
-if TYPE_CHECKING:
-    from megagate.train.trainer import StepOutput, Trainer
+from megagate.train.callbacks.base import Callback, StepOutput, TrainerView
 
 STEP_RANGE = "megagate.step#{}"  # the record_function name of one profiled step
 
@@ -30,20 +27,22 @@ STEP_RANGE = "megagate.step#{}"  # the record_function name of one profiled step
 class ManualGC(Callback):
     """Disable Python's collector for the run; collect every `interval` steps (Megatron-LM's --manual-gc)."""
 
+    priority = 50
+
     def __init__(self, interval: int) -> None:
         self.interval = interval
         self._was_enabled = True
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         self._was_enabled = gc.isenabled()
         gc.disable()
         gc.collect()  # start clean: what set-up left behind
 
-    def post_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         if output.step % self.interval == 0:
             gc.collect()
 
-    def on_close(self, trainer: Trainer) -> None:
+    def on_close(self, trainer: TrainerView) -> None:
         if self._was_enabled:
             gc.enable()
 
@@ -54,7 +53,10 @@ def trace_path(directory: str | os.PathLike, rank: int, steps: list[int]) -> Pat
 
 
 class Profiling(Callback):
-    """torch.profiler over steps [start, end] on the ranks in `profile.ranks` (NVTX ranges as well if `nvtx`)."""
+    """torch.profiler over steps [start, end] on the ranks in `profile.ranks` (NVTX ranges as well if `nvtx`). Its
+    step ranges wrap only the step: it comes before evaluation and checkpointing, which are not profiled."""
+
+    priority = 40
 
     def __init__(self, profile: ProfileSection, directory: str, *, nvtx: bool) -> None:
         assert profile.steps is not None
@@ -67,7 +69,7 @@ class Profiling(Callback):
         self._step_range: Any = None
         self._last_step = 0
 
-    def on_step_start(self, trainer: Trainer, step: int) -> None:
+    def on_step_start(self, trainer: TrainerView, step: int) -> None:
         self._close_step()  # a step a restore() dropped never reached post_step
         if step == self.start and self._profiler is None and get_rank() in self.ranks:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -85,12 +87,12 @@ class Profiling(Callback):
                 torch.cuda.nvtx.range_push(STEP_RANGE.format(step))
             self._last_step = step
 
-    def post_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         self._close_step()
         if self._profiler is not None and output.step >= self.end:
             self._finish()
 
-    def on_close(self, trainer: Trainer) -> None:
+    def on_close(self, trainer: TrainerView) -> None:
         # the run stopped inside the window: keep what was recorded
         self._close_step()
         if self._profiler is not None:
