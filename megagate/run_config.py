@@ -118,6 +118,11 @@ class CheckpointSection:
     # dp_reshardable: each rank saves its own optimizer shard (no gather); a resume may change only the DP size.
     # fully_reshardable gathers the DP group's state onto one rank per save and allows any TP/PP/EP change.
     optimizer_format: str = "dp_reshardable"
+    # the step loop goes on while the shards are written by a background process (megatron's async
+    # dist_checkpointing); manifest, rename and keep_last at finalisation. None: asynchronous with CUDA (the shards
+    # are first copied to host memory), synchronous on CPU
+    async_save: bool | None = None
+    async_check_interval: int = 10  # steps between the ranks' checks that a background write finished
 
 
 @dataclass(frozen=True)

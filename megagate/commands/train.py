@@ -142,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         locks = runlock.lock_for_run(cfg.output.dir, cfg.checkpoint_dir)
         # megatron's checkpoint-writer Manager ignores the stop signals and dies with this process
         children.install_checkpoint_writer_queue()
+        children.install_fork_hook()  # background checkpoint writers (forked) likewise
         # progress records, hang detection, the other ranks' failures (megagate.health)
         dog = watchdog.start(cfg.watchdog, cfg.output.dir)
         try:

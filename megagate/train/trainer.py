@@ -49,7 +49,11 @@ class Trainer:
         if len(keys) != len(set(keys)):
             raise MegagateError(f"two callbacks share a checkpoint state key: {sorted(keys)}")
         self.checkpointer = ckpt.Checkpointer(
-            cfg.checkpoint_dir, cfg.checkpoint.keep_last, cfg.checkpoint.optimizer_format
+            cfg.checkpoint_dir,
+            cfg.checkpoint.keep_last,
+            cfg.checkpoint.optimizer_format,
+            check_interval=cfg.checkpoint.async_check_interval,
+            on_saved=lambda path, step: self._call("post_checkpoint_saved", path, step),
         )
         self.logging_rank = parts.is_logging_rank()
         self.step = self.start_step = 0  # completed steps (start_step: when this launch began)
@@ -183,14 +187,16 @@ class Trainer:
         return next((cb for cb in self.callbacks if isinstance(cb, kind)), None)
 
     def latest_checkpoint(self) -> Path | None:
+        self.checkpointer.wait()  # a save being written in the background becomes the latest first
         return ckpt.latest(self.checkpointer.root)
 
-    def save_checkpoint(self) -> Path:
-        """Checkpoint the current state (a collective call: every rank must make it)."""
+    def save_checkpoint(self, background: bool = False) -> Path:
+        """Checkpoint the current state (a collective call: every rank must make it); `background`: the shards are
+        written while training goes on (post_checkpoint_saved comes when the checkpoint is complete)."""
         with progress.within("save"):
-            return self._save_checkpoint()
+            return self._save_checkpoint(background)
 
-    def _save_checkpoint(self) -> Path:
+    def _save_checkpoint(self, background: bool) -> Path:
         parts.sync_params(self.ddp)  # overlapped parameter all-gather: the last update is not gathered yet
         data = self.components.data
         meta = {
@@ -207,10 +213,7 @@ class Trainer:
             "data_position": resume_checks.order_digest(self.components.train_data, self.consumed_samples),
             **{f"x_{cb.state_key}": cb.state_dict() for cb in self.callbacks if cb.state_key},
         }
-        path = self.checkpointer.save(self.step, self.model, self.optimizer, meta)
-        log(f"saved checkpoint {path}")
-        self._call("post_checkpoint_saved", path, self.step)
-        return path
+        return self.checkpointer.save(self.step, self.model, self.optimizer, meta, background=background)
 
     def restore(self, path: Path) -> dict[str, Any]:
         """Load checkpoint `path` (same layout) into the running trainer and return its metadata.

@@ -8,6 +8,7 @@ import torch
 
 from megagate.console import log
 from megagate.health import progress
+from megagate.run_config import TrainConfig
 from megagate.train import components as parts
 from megagate.train.callbacks.base import Callback, StepOutput, TrainerView
 from megagate.train.callbacks.metrics import MetricsLogger
@@ -73,6 +74,12 @@ class Evaluation(Callback):
             self.logger.validation(trainer.step, loss)
 
 
+def asynchronous(cfg: TrainConfig) -> bool:
+    """checkpoint.async_save, resolved: None means asynchronous with CUDA, synchronous on CPU."""
+    value = cfg.checkpoint.async_save
+    return torch.cuda.is_available() if value is None else value
+
+
 class Checkpointing(Callback):
     """A checkpoint every checkpoint.interval steps and at the end of every launch that trained (completed, stopped
     by a signal or the wall-time limit, or aborted by a callback), so a rerun of the same command resumes."""
@@ -86,6 +93,7 @@ class Checkpointing(Callback):
         self.saved_step = step  # a save asked for by anyone (Evaluation's final one, a callback's)
 
     def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
+        trainer.checkpointer.poll()  # a background save becomes a checkpoint once every rank wrote its shards
         interval = trainer.cfg.checkpoint.interval
         # a stopping run saves once, in on_end
         if (
@@ -94,9 +102,15 @@ class Checkpointing(Callback):
             and output.step < trainer.cfg.train.train_steps
             and trainer.stop_reason is None
         ):
-            trainer.save_checkpoint()
+            trainer.save_checkpoint(background=asynchronous(trainer.cfg))
+
+    def on_close(self, trainer: TrainerView) -> None:
+        # on_end did not run (an exception is leaving the loop): no collective, the previous checkpoint stays
+        trainer.checkpointer.abort()
 
     def on_end(self, trainer: TrainerView) -> None:
+        with progress.within("save"):
+            trainer.checkpointer.wait()  # the final or stop checkpoint, the lock and a requeue wait for it
         # trainer.step == start_step: the latest checkpoint already holds this state (or no step ran)
         if trainer.step > trainer.start_step and self.saved_step != trainer.step:
             trainer.save_checkpoint()
