@@ -16,6 +16,7 @@ The files written here carry a leading dot and are removed before the folder is 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import queue
@@ -37,8 +38,8 @@ def _host() -> str:
 
 def _one_line(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno is not None:
-        text = exc.strerror or str(exc)
-        return f"{text}: {exc.filename!r}" if exc.filename else text
+        name = errno.errorcode.get(exc.errno, "")
+        return f"{exc.strerror or exc} ({name})" if name else str(exc.strerror or exc)
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
 
 

@@ -39,6 +39,7 @@ class Snapshot:
     start_step: int  # the step this launch resumed from (0 for a fresh run)
     recent_step_s: float  # median duration of the recent steps (0 before the first)
     last_s: dict  # phase -> duration of its last completed occurrence (save, load, evaluation)
+    counts: dict  # phase -> its completed occurrences in this launch (save, load, evaluation)
     compute_s: float  # cumulative forward_backward seconds
     wait_s: float  # cumulative grad_sync seconds
     timed_steps: int  # steps the compute/wait totals cover
@@ -61,6 +62,7 @@ class Progress:
         self._step_began: float | None = None
         self._step_times: deque[float] = deque(maxlen=STEP_HISTORY)
         self._last: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
         self._compute = self._wait = 0.0
         self._timed_steps = 0
 
@@ -78,6 +80,7 @@ class Progress:
                 self._timed_steps += 1
             elif previous in TIMED_PHASES:
                 self._last[previous] = spent
+                self._counts[previous] = self._counts.get(previous, 0) + 1
             if step is not None:
                 self.step = step
             self.phase, self.since = phase, now
@@ -113,6 +116,7 @@ class Progress:
                 start_step=self.start_step,
                 recent_step_s=statistics.median(times) if times else 0.0,
                 last_s=dict(self._last),
+                counts=dict(self._counts),
                 compute_s=self._compute,
                 wait_s=self._wait,
                 timed_steps=self._timed_steps,

@@ -108,8 +108,8 @@ class StragglerDetector:
                     medians[w.rank] = (median, statistics.median(o.wait_s for o in others))
         reports = []
         by_rank = {w.rank: w for w in windows}
-        for rank in sorted(set(self._streak) | set(ratios)):
-            slow = ratios.get(rank, 0.0) > 1.0 + self.margin
+        for rank in sorted(ratios):  # a rank without new steps in this window keeps its streak
+            slow = ratios[rank] > 1.0 + self.margin
             self._streak[rank] = self._streak.get(rank, 0) + 1 if slow else 0
             streak = self._streak[rank]
             if slow and streak % self.windows == 0:

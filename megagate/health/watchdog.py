@@ -58,8 +58,9 @@ def limit(cfg: WatchdogConfig, snap: Snapshot) -> float | None:
     floors = cfg.floors
     first = False  # the first steps of a launch, and the first save / load / evaluation: warm-up (imports,
     if snap.phase in TIMED_PHASES:  # compilation, first collectives; a first save imports torch in megatron's
-        first = snap.phase not in snap.last_s  # writer process)
-        reference = snap.last_s.get(snap.phase, 0.0)
+        done = snap.counts.get(snap.phase, 0)  # writer process), which also does not size the later limits
+        first = done == 0
+        reference = snap.last_s.get(snap.phase, 0.0) if done >= 2 else 0.0
     else:
         first = snap.step <= snap.start_step + cfg.warmup_steps
         reference = snap.recent_step_s

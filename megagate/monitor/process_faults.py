@@ -5,8 +5,8 @@ run resumes: a load fault must be armed by then); `disarm()` at the end. They ac
 
 - phase entries (megagate.health.progress listeners): a `hang` blocks the main thread for good when this rank
   enters the fault's phase at its step (time.sleep: to the watchdog the rank is busy, not waiting in a collective);
-  a `slow_rank` sleeps at the start of the gradient reduction for (factor - 1) x the step's forward-backward time,
-  so this rank computes `factor` times as long and the others wait for it;
+  a `slow_rank` sleeps at the start of each forward-backward for (factor - 1) x the previous one's compute time,
+  so this rank computes `factor` times as long and the others wait for it in the gradient reduction;
 - the checkpoint's file I/O (`checkpoint_io("write" | "read", step)`, called by megagate.train's checkpointer in
   the writer, a background process for an asynchronous save, and before a read): `fail_save` / `fail_load` raise
   OSError(EIO), what a failing disk or mount gives; a hang with phase `write` blocks the writer.
@@ -43,6 +43,7 @@ class ProcessFaults:
         ]
         self._fired: set[int] = set()
         self._fb_started = 0.0
+        self._last_fb = 0.0
 
     def _take(self, kind: str, step: int, phase: str | None = None, any_step: bool = False) -> Fault | None:
         for i, f in enumerate(self.faults):
@@ -71,11 +72,12 @@ class ProcessFaults:
     # --- phase entries (the trainer's main thread) ---------------------------------------------------------------
     def on_phase(self, phase: str, step: int) -> None:
         if phase == "forward_backward":
-            self._fb_started = time.monotonic()
-        elif phase == "grad_sync":
             slow = self._take("slow_rank", step)
-            if slow is not None:
-                time.sleep((slow.factor - 1) * (time.monotonic() - self._fb_started))
+            if slow is not None and self._last_fb:  # inside the compute phase, before the gradient reduction
+                time.sleep((slow.factor - 1) * self._last_fb)
+            self._fb_started = time.monotonic()
+        elif phase == "grad_sync" and self._fb_started:
+            self._last_fb = time.monotonic() - self._fb_started  # this step's compute, without the added sleep
         if self._take("hang", step, phase) is not None:
             self._hang(phase, step)
 

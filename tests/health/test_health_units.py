@@ -55,7 +55,15 @@ def test_straggler_config_refusals_and_defaults():
 # --- limits ---------------------------------------------------------------------------------------------------------
 def snap(phase: str, step: int, **kw) -> Snapshot:
     base = dict(
-        since=0.0, steps_done=step, start_step=0, recent_step_s=0.0, last_s={}, compute_s=0, wait_s=0, timed_steps=0
+        since=0.0,
+        steps_done=step,
+        start_step=0,
+        recent_step_s=0.0,
+        last_s={},
+        counts={},
+        compute_s=0,
+        wait_s=0,
+        timed_steps=0,
     )
     return Snapshot(phase=phase, step=step, **{**base, **kw})
 
@@ -68,8 +76,9 @@ def test_limits_follow_step_time_with_floors_and_warmup():
     assert limit(cfg, snap("forward_backward", 3, recent_step_s=2.0)) == 20  # 10 x the recent step time
     assert limit(cfg, snap("forward_backward", 5, start_step=4)) == 100  # the first step after a resume
     assert limit(cfg, snap("save", 30)) == 100  # the first save of a launch: warm-up
-    assert limit(cfg, snap("save", 30, last_s={"save": 0.3})) == 8  # later saves: the floor ...
-    assert limit(cfg, snap("save", 30, last_s={"save": 3.0})) == 30  # ... or 10 x the previous save
+    assert limit(cfg, snap("save", 30, last_s={"save": 30.0}, counts={"save": 1})) == 8  # later saves: the floor
+    assert limit(cfg, snap("save", 30, last_s={"save": 3.0}, counts={"save": 2})) == 30  # or 10 x the previous
+    # (not the first save's: it warmed up)
     assert limit(cfg, snap("data", 9, recent_step_s=1.0)) == max(DEFAULT_FLOORS["data"], 10)
     assert limit(cfg, snap("end", 9)) is None
 

@@ -27,8 +27,9 @@ WATCHDOG = [
     "watchdog.heartbeat_s=1",
     "watchdog.grace_s=10",
 ]
-# the settle (2.5 heartbeats + 0.5 s) and a heartbeat of detection delay, plus slack for the loaded machine
-EXIT_MARGIN_S = 4.0 + 8.0
+# the settle (2.5 heartbeats + 0.5 s), a heartbeat of detection delay and torchrun's teardown, plus slack for the
+# loaded test machine (2 cores shared by up to 8 agents: load averages of 60-90 measured)
+EXIT_MARGIN_S = 4.0 + 16.0
 
 
 @dataclass(frozen=True)

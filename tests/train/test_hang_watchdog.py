@@ -42,8 +42,9 @@ def references(tmp_path_factory, session_demo_dir) -> dict[int, Path]:
     out = {}
     for nproc in HANGS:
         path = tmp_path_factory.mktemp(f"hang-reference-{nproc}")
-        launch = F.torchrun(path, session_demo_dir, nproc, *INTERVAL, *F.WATCHDOG)
+        launch = F.torchrun(path, session_demo_dir, nproc, *INTERVAL, *F.WATCHDOG, *T.STRAGGLER)
         assert launch.rc == 0, launch.log[-4000:]
+        T.no_stragglers(path)
         out[nproc] = path
     return out
 
