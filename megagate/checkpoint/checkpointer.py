@@ -7,9 +7,11 @@ Layout under the checkpoint root:
     .iter_0000060.tmp/       a save in progress (or killed): never loaded, removed by the next save
     damaged/iter_0000020/    a checkpoint that failed verification or loading on resume, moved aside (never deleted)
 
-A save writes everything into the temporary folder, hashes it (each rank a share of the files) into the manifest,
-then rank 0 renames it to its final name, so a crash during a save never damages the last good checkpoint and
-`latest()` only ever sees complete ones. Before writing, the free space is compared with the checkpoint's expected
+A save writes everything into the temporary folder (each rank's writer checksums the files it wrote), then rank 0
+writes the manifest and renames the folder to its final name, so a crash during a save never damages the last good
+checkpoint and `latest()` only ever sees complete ones. With `background=True` the shards are written by a forked
+process while training goes on (megagate.checkpoint.background) and the manifest, the rename and keep_last come at
+finalisation (`poll()` once per step, `wait()`); a write that fails on one rank names that rank and its host. Before writing, the free space is compared with the checkpoint's expected
 size; a failed write (no space, no permission) removes the temporary folder and is one line. On resume
 (`Checkpointer.resume`) every candidate, newest first, is first checked to hold data only (`safe_files`: a crafted
 pickle is refused), then verified against its manifest and loaded; a damaged one is moved aside with a one-line
@@ -22,11 +24,9 @@ per save (about 37 GB of host memory per rank for 15A2B on 64 GPUs) and allows a
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from megagate.checkpoint import safe_files, writer
+from megagate.checkpoint import failures, safe_files, writer
 from megagate.checkpoint.background import BackgroundWrites
 from megagate.checkpoint.manifest import MANIFEST, damage, first_reason, records
 from megagate.checkpoint.naming import (
@@ -142,7 +142,7 @@ class Checkpointer:
                     shutil.rmtree(stale, ignore_errors=True)
                 tmp.mkdir()
             except OSError as exc:
-                error = _os_message(exc)
+                error = failures.os_message(exc)
         self._fail_if_any(error, tmp)
         optimizer_format = saved_optimizer_format(optimizer, self.optimizer_format)
         meta = {**meta, "optimizer_format": optimizer_format}  # what was written, not what was asked for
@@ -153,8 +153,8 @@ class Checkpointer:
             torch.save(rng_state(), tmp / f"rng_{get_rank()}.pt")
             if get_rank() == 0:
                 (tmp / META).write_text(json.dumps({**meta, "step": step}, indent=1, default=str))
-        except Exception as exc:  # megatron and torch DCP wrap the OSError of a failed write
-            error = _write_error(exc)
+        except failures.FAILURES as exc:  # megatron and torch DCP wrap the OSError of a failed write
+            error = failures.write_error(exc)
         self._fail_if_any(error, tmp)
         pending = _Pending(step, tmp, final, request.async_fn is not None, time.monotonic(), background)
         if background:
@@ -164,8 +164,8 @@ class Checkpointer:
             return final
         try:
             writer.run_now(request)
-        except Exception as exc:  # a rank's write failed: megatron raises on every rank after its own barrier
-            error = _write_error(exc)
+        except failures.FAILURES as exc:  # a rank's write failed: megatron raises on every rank after its own barrier
+            error = failures.write_error(exc)
         self._finalize(pending, error)
         return final
 
@@ -192,8 +192,8 @@ class Checkpointer:
         with progress.within("save"):  # the watchdog's save limit covers waiting for a writer
             try:
                 self._background.finish()
-            except Exception as exc:  # a rank's write failed: megatron raises on every rank
-                error = _write_error(exc)
+            except failures.FAILURES as exc:  # a rank's write failed: megatron raises on every rank
+                error = failures.write_error(exc)
             self._finalize(pending, error)
 
     def _finalize(self, pending: _Pending, error: str | None) -> None:
@@ -209,7 +209,7 @@ class Checkpointer:
             if rank == 0:  # megatron's metadata (written at its finalisation) and megagate's
                 share.update(records(tmp, [n for n in _RANK0_FILES if (tmp / n).is_file()]))
         except (OSError, ValueError) as exc:
-            error = f"rank {rank} ({_host()}): cannot checksum its files: {exc}"
+            error = f"rank {rank} ({failures.host()}): cannot checksum its files: {exc}"
         self._fail_if_any(error, tmp)
         shares = gather_objects(share)
         if rank == 0:
@@ -229,7 +229,7 @@ class Checkpointer:
                 # a re-save of the same step (e.g. stop request right after an interval save) replaces it
                 publish_dir(tmp, pending.final)
             except OSError as exc:
-                error = _os_message(exc)
+                error = failures.os_message(exc)
         self._fail_if_any(error, tmp)
         if rank == 0:
             self._prune()  # only after a successful save: the new checkpoint is complete
@@ -344,14 +344,16 @@ class Checkpointer:
                         load(path, same_layout)
                     else:
                         self.load(path, model_chunks, optimizer, same_layout)
-                except Exception as exc:  # damage the manifest cannot see (or a file megatron cannot parse)
-                    cause = _os_error_in(exc)
-                    if cause is not None:
-                        # the file system failed this rank (an I/O error, a lost mount), not the checkpoint: say so
-                        # now, without a collective (the others may be inside megatron's load, waiting for this
-                        # rank: they leave when they see its failure, megagate.health), and move nothing aside
+                except failures.FAILURES as exc:  # damage the manifest cannot see (or a file megatron cannot parse)
+                    failed = failures.failing_rank_error(exc)
+                    if failed is not None:
+                        # the file system failed a rank (an I/O error, a lost mount), not the checkpoint: say so now,
+                        # without a collective (the others may be inside megatron's load, waiting for this rank:
+                        # they leave when they see its failure, megagate.health), and move nothing aside
+                        rank, cause = failed
+                        who = f"rank {rank} ({failures.host()})" if rank == get_rank() else f"rank {rank}"
                         raise MegagateError(
-                            f"rank {get_rank()} ({_host()}) cannot read checkpoint {path}: {_os_message(cause)}"
+                            f"{who} cannot read checkpoint {path}: {failures.os_message(cause)}"
                             + (f": {cause.filename!r}" if cause.filename else "")
                         ) from None
                     first_line = (str(exc).strip().splitlines() or [""])[0][:200]
@@ -382,46 +384,7 @@ class Checkpointer:
                 os.replace(path, target)
                 where = str(target)
             except OSError as exc:
-                where = f"(not moved: {_os_message(exc)})"
+                where = f"(not moved: {failures.os_message(exc)})"
         where = broadcast_object(where)
         warn(f"checkpoint {path} is damaged ({reason}); moved to {where}; {next_step}")
         return where
-
-
-def _os_error_in(exc: BaseException) -> OSError | None:
-    """The OSError behind an exception (its cause/context chain, or a torch DCP CheckpointException's failures)."""
-    seen = set()
-    todo: list[BaseException] = [exc]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError):
-            return e
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            todo.extend(f for f in failures.values() if isinstance(f, BaseException))
-        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
-    return None
-
-
-def _host() -> str:
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
-def _write_error(exc: Exception) -> str:
-    """One line for a failed write on this rank: the OS error behind it (naming this rank and host), or, when the
-    failure was another rank's (megatron raises on every rank), a generic line the failing rank's own replaces."""
-    cause = _os_error_in(exc)
-    if cause is not None:
-        return f"rank {get_rank()} ({_host()}): {_os_message(cause)}"
-    if type(exc).__name__ == "CheckpointException":
-        return f"a write failed on another rank ({type(exc).__name__})"
-    raise exc
-
-
-def _os_message(exc: OSError) -> str:
-    name = errno.errorcode.get(exc.errno or 0, "")
-    text = exc.strerror or str(exc)
-    return f"{text} ({name})" if name else text

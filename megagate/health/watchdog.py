@@ -112,8 +112,8 @@ class Watchdog:
     def publish_failure(self, error: BaseException) -> None:
         """This rank is leaving mid-run with `error`: tell the other ranks (they exit) and the batch script."""
         snap = PROGRESS.snapshot()
-        if snap.phase == "end":  # the run ended in agreement (e.g. an abort after the final checkpoint)
-            return
+        if snap.phase == "end" or self.world_size == 1:  # the run ended in agreement (an abort after the final
+            return  # checkpoint), or there is nobody to tell: the CLI's line is the whole story
         message = (str(error).strip().splitlines() or [type(error).__name__])[0]
         record = {
             "rank": self.rank,
