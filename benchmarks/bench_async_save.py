@@ -65,9 +65,8 @@ def main() -> int:
 
     from megagate.checkpoint import complete_checkpoints
     from megagate.cli import _quiet_optional_dependency_notices
-    from megagate.distributed import parallel
+    from megagate.distributed import children, parallel
     from megagate.model.counts import parameter_counts
-    from megagate.train import children
 
     _quiet_optional_dependency_notices()
     warnings.filterwarnings("ignore", category=UserWarning)

@@ -218,10 +218,12 @@ def resolve_perf(cfg: TrainConfig, machine: Machine) -> ResolvedPerf:
     )
 
 
-def check_perf(cfg: TrainConfig, machine: Machine) -> None:
+def check_perf(cfg: TrainConfig, r: ResolvedPerf) -> None:
     """The perf and FP8 combinations megatron (or the machine) refuses, as one-line ConfigErrors, before any process
-    group exists. Checked for the target GPU everywhere (`Machine.target`) and for the real machine where it runs."""
+    group exists, judged on `r` (`resolve_perf(cfg, machine)`): for the target GPU everywhere (`Machine.target`, the
+    config rules) and for the real machine where it runs (`megagate.run_setup.resolve`)."""
     p, t, m = cfg.perf, cfg.train, cfg.model
+    machine = r.machine
     _choice(p.core_attention, CORE_ATTENTIONS, "perf.core_attention")
     _choice(p.moe_token_dispatcher_type, DISPATCHERS, "perf.moe_token_dispatcher_type")
     _choice(p.cross_entropy_fusion_impl, ("native", "te"), "perf.cross_entropy_fusion_impl")
@@ -236,7 +238,6 @@ def check_perf(cfg: TrainConfig, machine: Machine) -> None:
     if p.manual_gc_interval is not None and p.manual_gc_interval < 0:
         raise ConfigError(f"perf.manual_gc_interval={p.manual_gc_interval} must be >= 0 (0: Python's own collector)")
     _check_profile(cfg)
-    r = resolve_perf(cfg, machine)
     te_needed = "needs Transformer Engine (train.backend te or auto on a GPU with TE)"
     if p.core_attention == "te" and not r.backend_te:
         raise ConfigError(f"perf.core_attention='te' {te_needed}; use sdpa or local")

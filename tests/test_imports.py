@@ -23,8 +23,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("megagate.analysis",),  # offline analysis of models and run directories
     # the run config and what it resolves to: the typed tree, the machine, the perf settings, the rules, the reader
     ("megagate.run_config", "megagate.machine", "megagate.perf", "megagate.config_rules", "megagate.config_reader"),
+    ("megagate.run_setup",),  # the config resolved once for a machine: RunSetup
     ("megagate.plan",),
     ("megagate.checkpoint",),  # the checkpoint format: naming, manifest, safe loading, the Checkpointer
+    ("megagate.model_factory",),  # the one place models are built and loaded
     ("megagate.train",),
     ("megagate.evaluate",),
     # hf / hf_config / hf_weights import only megagate.model; hf_io reads and writes checkpoints
@@ -158,3 +160,8 @@ def test_no_imports_up_the_layers():
 def test_cycle_finder_finds_a_planted_cycle():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(edges) == [["a", "b", "c"]]
+
+
+def test_no_module_over_450_lines():
+    long = {m: n for m, p in modules().items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > 450}
+    assert long == {}

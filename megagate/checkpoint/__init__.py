@@ -2,7 +2,8 @@
 
 One module per job, re-exported here (`from megagate import checkpoint as ckpt`):
 
-- `naming`       iter_NNNNNNN folders, the complete / newest one, the one a user names, megagate.json
+- `naming`       iter_NNNNNNN folders, the complete / newest one, the one a user names, megagate.json and the
+                 model's architecture record
 - `manifest`     the manifest (name, size, CRC-32 of every file) and the checks before a load: verify, safety_check,
                  damage (both)
 - `safe_files`   data-only unpickling: a crafted pickle in a checkpoint is refused before anything loads it
@@ -23,6 +24,7 @@ from megagate.checkpoint.naming import (
     DAMAGED,
     MANIFEST,
     META,
+    architecture,
     checkpoint_dirs,
     checkpoint_name,
     complete_checkpoints,
@@ -40,6 +42,7 @@ __all__ = [
     "META",
     "Checkpointer",
     "Resumed",
+    "architecture",
     "checkpoint_dirs",
     "checkpoint_name",
     "complete_checkpoints",

@@ -245,20 +245,23 @@ class Checkpointer:
             shutil.rmtree(path, ignore_errors=True)
 
     # --- load ------------------------------------------------------------------------------------------------------
-    def load(self, path: Path, model_chunks: list, optimizer: Any, same_layout: bool) -> dict:
-        """Load model (and optimizer) state from `path`; RNG only if the parallel layout is unchanged.
+    def load(self, path: Path, model_chunks: list, optimizer: Any, same_layout: bool, strict: bool = False) -> dict:
+        """Load model (and optimizer) state from `path`; RNG only if the parallel layout is unchanged; `strict`: a
+        tensor of the checkpoint that the chunks do not ask for is an error (they hold the whole model).
 
         No verification here (see `resume`): a rollback loads a checkpoint this run has just written.
         """
         from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
 
         meta = read_meta(path)
         if optimizer is not None:
             materialize_optimizer_state(optimizer)
         # checkpoints from before the format was recorded were all written fully_reshardable (the old default)
         state = sharded_state(model_chunks, optimizer, meta.get("optimizer_format", "fully_reshardable"), True)
+        handling = StrictHandling.RAISE_UNEXPECTED if strict else StrictHandling.ASSUME_OK_UNEXPECTED  # megatron's
         process_faults.checkpoint_io("read", int(meta.get("step", 0)), path)
-        loaded = dist_checkpointing.load(state, str(path))
+        loaded = dist_checkpointing.load(state, str(path), strict=handling)
         for i, chunk in enumerate(model_chunks):
             chunk.load_state_dict(loaded["model" if len(model_chunks) == 1 else f"model{i}"])
         if optimizer is not None:

@@ -29,7 +29,7 @@ from megagate import checkpoint as ckpt
 from megagate.console import log
 from megagate.errors import MegagateError
 from megagate.health import progress
-from megagate.run_config import TrainConfig
+from megagate.run_setup import RunSetup
 from megagate.train import components as parts
 from megagate.train import resume as resume_checks
 from megagate.train.callbacks.base import Callback, StepOutput, Update, in_priority_order
@@ -38,8 +38,9 @@ from megagate.train.callbacks.base import Callback, StepOutput, Update, in_prior
 class Trainer:
     """Steps the components of a run with the callbacks' hooks around each step (every rank runs the same calls)."""
 
-    def __init__(self, cfg: TrainConfig, components: parts.Components, callbacks: Sequence[Callback] = ()) -> None:
-        self.cfg = cfg
+    def __init__(self, components: parts.Components, callbacks: Sequence[Callback] = ()) -> None:
+        self.setup = components.setup
+        self.cfg = cfg = components.setup.cfg
         self.components = components
         self.layout = components.layout
         self.model, self.ddp = components.model, components.ddp
@@ -206,7 +207,7 @@ class Trainer:
             "optimizer_format": self.cfg.checkpoint.optimizer_format,
             "config": self.cfg.raw,
             # what a resume checks (megagate.train.resume)
-            "architecture": resume_checks.architecture(self.cfg),
+            "architecture": ckpt.architecture(self.cfg),
             "data_order": self._data_order,
             "schedule": resume_checks.schedule(self.cfg),
             "data_samples": None if data is None else {"train": data.train_samples, "valid": data.valid_samples},
@@ -352,15 +353,14 @@ def _global_loss(results: list[dict]) -> float:
 
 
 def train(
-    cfg: TrainConfig,
-    world_size: int,
+    setup: RunSetup,
     callbacks: Sequence[Callback] | None = None,
     extra_callbacks: Sequence[Callback] = (),
 ) -> dict[str, Any]:
-    """Build the run's components and train them (`callbacks`: default_callbacks(cfg), plus `extra_callbacks`; all
-    run in priority order)."""
+    """Build the run's components and train them (`callbacks`: default_callbacks(setup), plus `extra_callbacks`;
+    all run in priority order)."""
     from megagate.train.callbacks import default_callbacks
 
-    components = parts.build_components(cfg, world_size)
-    chosen = list(default_callbacks(cfg) if callbacks is None else callbacks) + list(extra_callbacks)
-    return Trainer(cfg, components, chosen).fit()
+    components = parts.build_components(setup)
+    chosen = list(default_callbacks(setup) if callbacks is None else callbacks) + list(extra_callbacks)
+    return Trainer(components, chosen).fit()

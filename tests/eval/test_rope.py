@@ -160,8 +160,8 @@ def test_bad_position_settings_are_one_line(fields, message):
 
 
 def test_position_fields_stay_out_of_resume_checks():
+    from megagate.checkpoint.naming import ARCHITECTURE_FIELDS
     from megagate.model.model_config import POSITION_FIELDS
-    from megagate.train.resume import ARCHITECTURE_FIELDS
 
     assert not set(POSITION_FIELDS) & set(ARCHITECTURE_FIELDS)
     assert "max_sequence_length" not in ARCHITECTURE_FIELDS

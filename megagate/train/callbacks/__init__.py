@@ -10,7 +10,7 @@ health.py    StragglerReport (the straggler section; the hang watchdog runs besi
 
 from __future__ import annotations
 
-from megagate.run_config import TrainConfig
+from megagate.run_setup import RunSetup
 from megagate.train.callbacks.base import Callback
 from megagate.train.callbacks.cadence import Checkpointing, Evaluation, StopChecks, evaluate
 from megagate.train.callbacks.health import StragglerReport
@@ -19,10 +19,11 @@ from megagate.train.callbacks.monitor import FaultInjection, LiveDiagnostics, Sp
 from megagate.train.callbacks.profiling import ManualGC, Profiling, perf_callbacks
 
 
-def default_callbacks(cfg: TrainConfig) -> list[Callback]:
-    """The callbacks of `megagate train` for `cfg`. Their order is each class's `priority` (the trainer sorts):
+def default_callbacks(setup: RunSetup) -> list[Callback]:
+    """The callbacks of `megagate train` for a run set-up. Their order is each class's `priority` (the trainer sorts):
     StopChecks 100, MetricsLogger 90, FaultInjection 80, SpikeMonitoring 70, LiveDiagnostics 60, StragglerReport 55,
     ManualGC 50, Profiling 40, Evaluation 30, Checkpointing 20, RunSummary 10; each class says why in its docstring."""
+    cfg = setup.cfg
     m = cfg.monitor
     callbacks: list[Callback] = [StopChecks(), MetricsLogger()]
     if m.faults:
@@ -33,7 +34,7 @@ def default_callbacks(cfg: TrainConfig) -> list[Callback]:
         callbacks.append(LiveDiagnostics(m.diagnostics.interval))
     if cfg.straggler.enabled:
         callbacks.append(StragglerReport(cfg.straggler))
-    return callbacks + perf_callbacks(cfg) + [Evaluation(), Checkpointing(), RunSummary()]
+    return callbacks + perf_callbacks(setup) + [Evaluation(), Checkpointing(), RunSummary()]
 
 
 __all__ = [
