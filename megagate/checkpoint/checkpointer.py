@@ -235,6 +235,7 @@ class Checkpointer:
             self._prune()  # only after a successful save: the new checkpoint is complete
         barrier()
         seconds = time.monotonic() - pending.started
+        progress.PROGRESS.record("save", seconds)  # sizes the watchdog's save limit
         how = f"written in the background in {seconds:.1f} s" if pending.background else f"{seconds:.1f} s"
         log(f"saved checkpoint {pending.final} ({how})")
         if self.on_saved is not None:

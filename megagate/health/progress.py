@@ -24,6 +24,9 @@ from dataclasses import dataclass
 
 STEP_HISTORY = 20  # steps whose times size the limits
 TIMED_PHASES = ("save", "load", "evaluation")  # limits from their own previous duration
+# a save's duration runs from its start to its checkpoint being complete (a background write included): the
+# checkpointer reports it (`record`), not the phase's visits
+RECORDED_PHASES = ("save",)
 
 Listener = Callable[[str, int], None]  # (phase entered, step)
 
@@ -78,7 +81,7 @@ class Progress:
             elif previous == "grad_sync":
                 self._wait += spent
                 self._timed_steps += 1
-            elif previous in TIMED_PHASES:
+            elif previous in TIMED_PHASES and previous not in RECORDED_PHASES:
                 self._last[previous] = spent
                 self._counts[previous] = self._counts.get(previous, 0) + 1
             if step is not None:
@@ -100,6 +103,12 @@ class Progress:
             self.steps_done += 1
             self._step_began = None
         self.enter("after_step")
+
+    def record(self, phase: str, seconds: float) -> None:
+        """A completed occurrence of `phase` that its owner timed (a checkpoint: save start to complete)."""
+        with self._lock:
+            self._last[phase] = seconds
+            self._counts[phase] = self._counts.get(phase, 0) + 1
 
     def resumed_at(self, step: int) -> None:
         self.start_step = self.step = step
