@@ -5,9 +5,8 @@ writes, no I/O, no collective, no host sync. The watchdog thread reads `snapshot
 to the run folder (megagate.health.channel); nothing else leaves the process.
 
 Per rank it keeps the step times of the last steps (their median sizes the watchdog's limits), the duration of the
-last save / load / evaluation, and cumulative seconds in `forward_backward` (compute) and in `grad_sync` (waiting
-for the other ranks in megatron's gradient reduction) with the number of steps they cover: the straggler report's
-input.
+last save / load / evaluation, and, for each of the last steps, the seconds in `forward_backward` (compute) and in
+`grad_sync` (waiting for the other ranks in megatron's gradient reduction): the straggler report's input.
 
 Listeners (fault injection: a hang, a slow rank) may be registered for phase entries; none are in a normal run.
 """
@@ -23,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 STEP_HISTORY = 20  # steps whose times size the limits
+TIMED_HISTORY = 64  # steps whose compute and wait times a progress record carries (the straggler report's input)
 TIMED_PHASES = ("save", "load", "evaluation")  # limits from their own previous duration
 # a save's duration runs from its start to its checkpoint being complete (a background write included): the
 # checkpointer reports it (`record`), not the phase's visits
@@ -43,9 +43,7 @@ class Snapshot:
     recent_step_s: float  # median duration of the recent steps (0 before the first)
     last_s: dict  # phase -> duration of its last completed occurrence (save, load, evaluation)
     counts: dict  # phase -> its completed occurrences in this launch (save, load, evaluation)
-    compute_s: float  # cumulative forward_backward seconds
-    wait_s: float  # cumulative grad_sync seconds
-    timed_steps: int  # steps the compute/wait totals cover
+    recent: tuple  # (step, compute s, wait s) of the last timed steps: forward_backward, grad_sync
 
 
 class Progress:
@@ -66,8 +64,8 @@ class Progress:
         self._step_times: deque[float] = deque(maxlen=STEP_HISTORY)
         self._last: dict[str, float] = {}
         self._counts: dict[str, int] = {}
-        self._compute = self._wait = 0.0
-        self._timed_steps = 0
+        self._compute = 0.0  # this step's forward_backward time so far
+        self._recent: deque[tuple[int, float, float]] = deque(maxlen=TIMED_HISTORY)
 
     # --- the trainer's side (hot path) -----------------------------------------------------------------------------
     def enter(self, phase: str, step: int | None = None) -> None:
@@ -77,10 +75,9 @@ class Progress:
             spent = now - self.since
             previous = self.phase
             if previous == "forward_backward":
-                self._compute += spent
+                self._compute = spent
             elif previous == "grad_sync":
-                self._wait += spent
-                self._timed_steps += 1
+                self._recent.append((self.step, self._compute, spent))
             elif previous in TIMED_PHASES and previous not in RECORDED_PHASES:
                 self._last[previous] = spent
                 self._counts[previous] = self._counts.get(previous, 0) + 1
@@ -126,9 +123,7 @@ class Progress:
                 recent_step_s=statistics.median(times) if times else 0.0,
                 last_s=dict(self._last),
                 counts=dict(self._counts),
-                compute_s=self._compute,
-                wait_s=self._wait,
-                timed_steps=self._timed_steps,
+                recent=tuple(self._recent),
             )
 
     def add_listener(self, listener: Listener) -> None:

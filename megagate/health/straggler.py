@@ -1,12 +1,13 @@
 """Straggler detection: each rank's compute time per step against the median of the other ranks of its pipeline stage.
 
-Pure. Every rank's progress record carries cumulative seconds in `forward_backward` (compute) and `grad_sync`
-(waiting for the other ranks) and the steps they cover (megagate.health.progress). At the end of each window the
-logging rank hands the records to `StragglerDetector.observe`, which takes the differences from the previous window
-(so records written a heartbeat apart still compare per step) and compares each rank's compute per step with the
-median of the *other* ranks of the same pipeline stage (stages compute different layers; with two ranks the median
-of all would hide half the gap). A rank above (1 + margin) x that median in `windows` consecutive windows is
-reported, and again every `windows` windows while it stays slow. A slow rank makes the others wait: their
+Pure. Every rank's progress record carries, for each of its last steps, the seconds in `forward_backward`
+(compute) and in `grad_sync` (waiting for the other ranks) (megagate.health.progress). At the end of each window the
+logging rank hands the records to `StragglerDetector.observe`. A window is the steps since the previous one up to
+the last step *every* rank has reported (records are written a heartbeat apart); per rank it takes the median of
+those steps (one step a rank was descheduled in does not make it a straggler), and compares the compute median
+with the median of the *other* ranks of the same pipeline stage (stages compute different layers; with two ranks
+the median of all would hide half the gap). A rank above (1 + margin) x that median in `windows` consecutive windows
+is reported, and again every `windows` windows while it stays slow. A slow rank makes the others wait: their
 `grad_sync` time grows while its own stays short, which the report shows too.
 """
 
@@ -22,14 +23,14 @@ class RankWindow:
     rank: int
     host: str
     stage: int
-    steps: int
-    compute_s: float  # per step
-    wait_s: float  # per step
+    steps: int  # steps of the window this rank reported
+    compute_s: float  # median per step
+    wait_s: float  # median per step
 
 
 @dataclass(frozen=True)
 class StragglerReport:
-    step: int  # the step at the end of the window
+    step: int  # the last step of the window
     rank: int
     host: str
     ratio: float  # compute per step / median of the other ranks of its stage
@@ -53,7 +54,7 @@ class StragglerReport:
 
 @dataclass(frozen=True)
 class WindowSummary:
-    step: int
+    step: int  # the window's last step (0: no new window)
     ratios: dict  # rank -> compute ratio against the others of its stage
     reports: tuple[StragglerReport, ...]
 
@@ -62,41 +63,54 @@ class WindowSummary:
         return max(self.ratios.items(), key=lambda kv: kv[1]) if self.ratios else None
 
 
+def _steps(record: Mapping) -> list[tuple[int, float, float]]:
+    return [(int(s), float(c), float(w)) for s, c, w in record.get("recent") or []]
+
+
 class StragglerDetector:
-    """Windows of cumulative per-rank totals in, straggler reports out."""
+    """Progress records in, straggler reports out."""
 
     def __init__(self, margin: float, windows: int) -> None:
         self.margin, self.windows = margin, windows
-        self._previous: dict[int, Mapping] = {}
+        self._last_step = 0  # the previous window's last step
         self._streak: dict[int, int] = {}
 
-    def _window(self, records: Mapping[int, Mapping]) -> list[RankWindow]:
+    def _window(self, records: Mapping[int, Mapping]) -> tuple[int, list[RankWindow]]:
+        steps = {rank: _steps(rec) for rank, rec in records.items()}
+        reported = [max(s for s, _, _ in entries) for entries in steps.values() if entries]
+        if len(reported) < len(records) or not reported:
+            return self._last_step, []  # a rank with nothing yet: wait for it
+        end = min(reported)
+        if end <= self._last_step:
+            return self._last_step, []
         out = []
-        for rank, rec in records.items():
-            prev = self._previous.get(rank)
-            steps = int(rec.get("timed_steps", 0)) - int(prev.get("timed_steps", 0)) if prev else 0
-            if steps > 0:
+        for rank, entries in steps.items():
+            inside = [(c, w) for s, c, w in entries if self._last_step < s <= end]
+            if inside:
+                rec = records[rank]
                 out.append(
                     RankWindow(
                         rank,
                         str(rec.get("host", "?")),
                         int(rec.get("stage", 0)),
-                        steps,
-                        (float(rec.get("compute_s", 0)) - float(prev.get("compute_s", 0))) / steps,
-                        (float(rec.get("wait_s", 0)) - float(prev.get("wait_s", 0))) / steps,
+                        len(inside),
+                        statistics.median(c for c, _ in inside),
+                        statistics.median(w for _, w in inside),
                     )
                 )
-        self._previous = {rank: dict(rec) for rank, rec in records.items()}
-        return out
+        return end, out
 
-    def observe(self, step: int, records: Mapping[int, Mapping]) -> WindowSummary:
-        """Compare the ranks over the window since the previous call (the first call only starts a window)."""
-        windows = self._window(records)
+    def observe(self, records: Mapping[int, Mapping]) -> WindowSummary:
+        """Compare the ranks over the steps since the previous window (none when no rank has reported a new one)."""
+        end, windows = self._window(records)
+        if not windows:
+            return WindowSummary(0, {}, ())
+        self._last_step = end
         by_stage: dict[int, list[RankWindow]] = {}
         for w in windows:
             by_stage.setdefault(w.stage, []).append(w)
         ratios: dict[int, float] = {}
-        medians: dict[int, tuple[float, float]] = {}
+        others_of: dict[int, tuple[float, float]] = {}
         for group in by_stage.values():
             for w in group:
                 others = [o for o in group if o.rank != w.rank]
@@ -105,19 +119,17 @@ class StragglerDetector:
                 median = statistics.median(o.compute_s for o in others)
                 if median > 0:
                     ratios[w.rank] = w.compute_s / median
-                    medians[w.rank] = (median, statistics.median(o.wait_s for o in others))
+                    others_of[w.rank] = (median, statistics.median(o.wait_s for o in others))
         reports = []
         by_rank = {w.rank: w for w in windows}
-        for rank in sorted(ratios):  # a rank without new steps in this window keeps its streak
+        for rank in sorted(ratios):
             slow = ratios[rank] > 1.0 + self.margin
             self._streak[rank] = self._streak.get(rank, 0) + 1 if slow else 0
             streak = self._streak[rank]
             if slow and streak % self.windows == 0:
                 w = by_rank[rank]
-                median, others_wait = medians[rank]
+                median, others_wait = others_of[rank]
                 reports.append(
-                    StragglerReport(
-                        step, rank, w.host, ratios[rank], w.compute_s, median, w.wait_s, others_wait, streak
-                    )
+                    StragglerReport(end, rank, w.host, ratios[rank], w.compute_s, median, w.wait_s, others_wait, streak)
                 )
-        return WindowSummary(step, ratios, tuple(reports))
+        return WindowSummary(end, ratios, tuple(reports))

@@ -188,9 +188,7 @@ class Watchdog:
                 "where": where,
                 "stage": PROGRESS.stage,
                 "steps_done": snap.steps_done,
-                "compute_s": snap.compute_s,
-                "wait_s": snap.wait_s,
-                "timed_steps": snap.timed_steps,
+                "recent": [[step, round(c, 6), round(w, 6)] for step, c, w in snap.recent],
                 "last_s": snap.last_s,
             }
         )

@@ -5,7 +5,7 @@ run resumes: a load fault must be armed by then); `disarm()` at the end. They ac
 
 - phase entries (megagate.health.progress listeners): a `hang` blocks the main thread for good when this rank
   enters the fault's phase at its step (time.sleep: to the watchdog the rank is busy, not waiting in a collective);
-  a `slow_rank` sleeps at the start of each forward-backward for (factor - 1) x the previous one's compute time,
+  a `slow_rank` sleeps at the start of each forward-backward for (factor - 1) x its recent median compute time,
   so this rank computes `factor` times as long and the others wait for it in the gradient reduction;
 - the checkpoint's file I/O (`checkpoint_io("write" | "read", step)`, called by megagate.train's checkpointer in
   the writer, a background process for an asynchronous save, and before a read): `fail_save` / `fail_load` raise
@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import errno
 import os
+import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,7 +45,7 @@ class ProcessFaults:
         ]
         self._fired: set[int] = set()
         self._fb_started = 0.0
-        self._last_fb = 0.0
+        self._compute: deque[float] = deque(maxlen=5)  # this rank's recent compute times (a slow rank's base)
 
     def _take(self, kind: str, step: int, phase: str | None = None, any_step: bool = False) -> Fault | None:
         for i, f in enumerate(self.faults):
@@ -73,11 +75,11 @@ class ProcessFaults:
     def on_phase(self, phase: str, step: int) -> None:
         if phase == "forward_backward":
             slow = self._take("slow_rank", step)
-            if slow is not None and self._last_fb:  # inside the compute phase, before the gradient reduction
-                time.sleep((slow.factor - 1) * self._last_fb)
+            if slow is not None and self._compute:  # inside the compute phase, before the gradient reduction
+                time.sleep((slow.factor - 1) * statistics.median(self._compute))
             self._fb_started = time.monotonic()
         elif phase == "grad_sync" and self._fb_started:
-            self._last_fb = time.monotonic() - self._fb_started  # this step's compute, without the added sleep
+            self._compute.append(time.monotonic() - self._fb_started)  # this step's compute, without the sleep
         if self._take("hang", step, phase) is not None:
             self._hang(phase, step)
 

@@ -38,7 +38,7 @@ class StragglerReport(Callback):
         dog = watchdog.current()
         if dog is None or not trainer.logging_rank or output.step % self.cfg.interval:
             return
-        summary = self.detector.observe(output.step, dog.channel.records())
+        summary = self.detector.observe(dog.channel.records())
         slowest = summary.slowest
         if self.writer is not None and slowest is not None:
             self.writer.add_scalar("straggler/max_compute_ratio", slowest[1], output.step)
