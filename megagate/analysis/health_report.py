@@ -17,8 +17,9 @@ def _describe(event: dict) -> str:
     if kind == "straggler":
         return (
             f"step {event.get('step')}: rank {event.get('rank')} ({event.get('host')}) computes "
-            f"{float(event.get('ratio', 0)):.2f}x the median of the others ({float(event.get('compute_s', 0)) * 1e3:.0f}"
-            f" vs {float(event.get('median_s', 0)) * 1e3:.0f} ms per step) for {event.get('windows')} windows"
+            f"{float(event.get('ratio', 0)):.2f}x as long as the others (fastest step "
+            f"{float(event.get('compute_s', 0)) * 1e3:.0f} vs {float(event.get('median_s', 0)) * 1e3:.0f} ms) for "
+            f"{event.get('windows')} windows"
         )
     if kind == "hang":
         return str(event.get("line", "?"))

@@ -3,10 +3,11 @@
 Pure. Every rank's progress record carries, for each of its last steps, the seconds in `forward_backward`
 (compute) and in `grad_sync` (waiting for the other ranks) (megagate.health.progress). At the end of each window the
 logging rank hands the records to `StragglerDetector.observe`. A window is the steps since the previous one up to
-the last step *every* rank has reported (records are written a heartbeat apart); per rank it takes the median of
-those steps (one step a rank was descheduled in does not make it a straggler), and compares the compute median
-with the median of the *other* ranks of the same pipeline stage (stages compute different layers; with two ranks
-the median of all would hide half the gap). A rank above (1 + margin) x that median in `windows` consecutive windows
+the last step *every* rank has reported (records are written a heartbeat apart); per rank it takes the *fastest*
+compute of those steps — noise only ever adds time (a descheduled rank, a garbage collection, rank 0's extra work
+after a checkpoint), while a straggler is slower on every step — and compares it with the median of the other ranks
+of the same pipeline stage (stages compute different layers; with two ranks the median of all would hide half the
+gap). A rank above (1 + margin) x that median in `windows` consecutive windows
 is reported, and again every `windows` windows while it stays slow. A slow rank makes the others wait: their
 `grad_sync` time grows while its own stays short, which the report shows too.
 """
@@ -24,8 +25,8 @@ class RankWindow:
     host: str
     stage: int
     steps: int  # steps of the window this rank reported
-    compute_s: float  # median per step
-    wait_s: float  # median per step
+    compute_s: float  # the fastest step's compute
+    wait_s: float  # median wait per step
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class StragglerReport:
     step: int  # the last step of the window
     rank: int
     host: str
-    ratio: float  # compute per step / median of the other ranks of its stage
+    ratio: float  # its fastest compute / the median of the other ranks' of its stage
     compute_s: float
     median_s: float
     wait_s: float  # its own wait per step
@@ -42,9 +43,9 @@ class StragglerReport:
 
     def line(self) -> str:
         return (
-            f"straggler: rank {self.rank} ({self.host}) computes {self.ratio:.2f}x the median of the other ranks "
-            f"({self.compute_s * 1e3:.0f} ms vs {self.median_s * 1e3:.0f} ms per step) for {self.windows} windows up "
-            f"to step {self.step}; the others wait {self.others_wait_s * 1e3:.0f} ms per step for it "
+            f"straggler: rank {self.rank} ({self.host}) computes {self.ratio:.2f}x as long as the other ranks "
+            f"(fastest step {self.compute_s * 1e3:.0f} ms vs {self.median_s * 1e3:.0f} ms) for {self.windows} windows "
+            f"up to step {self.step}; the others wait {self.others_wait_s * 1e3:.0f} ms per step for it "
             f"(it waits {self.wait_s * 1e3:.0f} ms)"
         )
 
@@ -94,7 +95,7 @@ class StragglerDetector:
                         str(rec.get("host", "?")),
                         int(rec.get("stage", 0)),
                         len(inside),
-                        statistics.median(c for c, _ in inside),
+                        min(c for c, _ in inside),
                         statistics.median(w for _, w in inside),
                     )
                 )

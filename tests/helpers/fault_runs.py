@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +28,9 @@ WATCHDOG = [
     "watchdog.heartbeat_s=1",
     "watchdog.grace_s=10",
 ]
-# the settle (2.5 heartbeats + 0.5 s), a heartbeat of detection delay and torchrun's teardown, plus slack for the
-# loaded test machine (2 cores shared by up to 8 agents: load averages of 60-90 measured)
-EXIT_MARGIN_S = 4.0 + 16.0
+# the settle (2.5 heartbeats + 0.5 s), a heartbeat of detection delay and the processes' exit, plus slack for the
+# loaded test machine (2 cores shared by up to 8 agents: load averages of 60-140 measured)
+EXIT_MARGIN_S = 4.0 + 11.0
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,8 @@ class Launch:
     rc: int
     log: str
     started: float  # time.time()
-    ended: float
+    ended: float  # torchrun ended
+    workers_ended: float  # the last time a training process of the run (a rank or its writer) was seen alive
 
 
 def torchrun(out: Path, demo_dir: Path, nproc: int, *overrides: str, timeout: float = 900) -> Launch:
@@ -46,6 +48,18 @@ def torchrun(out: Path, demo_dir: Path, nproc: int, *overrides: str, timeout: fl
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     started = time.time()
+    marker = f"output.dir={out}"
+    seen = {"last": started}
+    done = threading.Event()
+
+    def watch() -> None:  # when did the ranks (not torchrun, which outlives them) end?
+        while not done.is_set():
+            if any("torch.distributed.run" not in cmd for cmd in live_processes(marker).values()):
+                seen["last"] = time.time()
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     proc = subprocess.Popen(
         [*cmd, "-m", "megagate", "train", *args],
         cwd=T.ROOT,
@@ -61,7 +75,10 @@ def torchrun(out: Path, demo_dir: Path, nproc: int, *overrides: str, timeout: fl
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
         raise AssertionError(f"torchrun did not end in {timeout} s:\n{log[-4000:]}") from None
-    return Launch(proc.returncode, log, started, time.time())
+    finally:
+        done.set()
+        watcher.join()
+    return Launch(proc.returncode, log, started, time.time(), seen["last"])
 
 
 def launches(out: Path) -> list[Path]:

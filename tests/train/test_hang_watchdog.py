@@ -70,7 +70,7 @@ def check_hang_launch(out: Path, launch: F.Launch, nproc: int, rank: int, phase:
     fault = [e for e in F.events(out, "fault") if e["fault"]["step"] == step][-1]
     assert (fault["rank"], fault["fault"]["phase"]) == (rank, phase)
     hang_record = json.loads((folder / "hang.json").read_text())
-    elapsed = launch.ended - fault["time"]
+    elapsed = launch.workers_ended - fault["time"]
     assert elapsed <= hang_record["limit"] + F.EXIT_MARGIN_S, (elapsed, hang_record)
     assert F.live_processes(str(out)) == {}  # no rank, writer or launcher left
     return elapsed

@@ -16,7 +16,8 @@ from megagate import checkpoint as ckpt
 from megagate.health import watchdog
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-SECONDS = 15.0  # from the failure to the end of torchrun (the others exit at their next heartbeat, 1 s)
+SECONDS = 15.0  # from the failure to the last rank's exit (the others leave at their next heartbeat, 1 s; a rank's
+# exit takes a few seconds more on the loaded 2-core test machine: megatron's parallel state, the writer's Manager)
 
 
 def error_lines(log: str) -> list[str]:
@@ -32,7 +33,7 @@ def check_exit(launch: F.Launch, out, expected: str) -> None:
     assert expected in lines[0], lines[0]
     assert launch.log.count("Traceback (most recent call last)") == 1  # torchrun's own summary only
     fault = F.events(out, "fault")[-1]
-    assert launch.ended - fault["time"] < SECONDS, launch.ended - fault["time"]
+    assert launch.workers_ended - fault["time"] < SECONDS, launch.workers_ended - fault["time"]
     assert F.live_processes(str(out)) == {}
 
 
