@@ -110,6 +110,9 @@ class DataSection:
 class CheckpointSection:
     dir: str | None = None  # default: <output.dir>/checkpoints
     interval: int = 0  # steps between saves (0: only at the end and on a stop request)
+    # a checkpoint at the end of every launch that trained (completed, stopped, aborted); false: none there (a
+    # throw-away run, a benchmark: a stopped launch then resumes from its last interval checkpoint, if any)
+    save_final: bool = True
     keep_last: int = 2
     load: bool = True  # resume from the latest good checkpoint in dir
     # a fresh run (nothing to resume in dir) starts from these weights (another run's checkpoint, its root or run

@@ -11,6 +11,11 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 warnings.filterwarnings("ignore")
+# the CLI's console (megagate.console) for in-process tests too: a third-party log record printed while a test
+# builds a model would otherwise land in the stderr a test reads (tests call megagate.cli.main in process)
+from megagate import console  # noqa: E402
+
+console.install()
 
 
 @pytest.fixture(scope="session")

@@ -40,10 +40,16 @@ def no_stragglers(out: Path) -> None:
 
 
 def run_train(
-    out: Path, demo_dir: Path, *overrides: str, nproc: int = 1, check: bool = True, timeout: int = 600
+    out: Path,
+    demo_dir: Path,
+    *overrides: str,
+    nproc: int = 1,
+    check: bool = True,
+    timeout: int = 600,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run the trainer on the tiny config; nproc > 1 uses torchrun (standalone, gloo) and checks that no straggler
-    was reported."""
+    was reported; `env` adds variables."""
     window = STRAGGLER if nproc > 1 else []
     args = ["--config", str(CONFIG), *BASE, *window, f"data.demo_dir={demo_dir}", f"output.dir={out}", *overrides]
     if nproc == 1:
@@ -60,7 +66,7 @@ def run_train(
             "train",
             *args,
         ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
@@ -89,3 +95,9 @@ def checkpoint_tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
     dcp_to_torch_save(str(path), str(target))
     state = torch.load(target, weights_only=False)
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and not k.startswith("optimizer")}
+
+
+def foreign_console_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    """What a run printed that megagate did not: every stderr line (a clean run writes nothing there; megagate's
+    warnings and errors do) and the native libraries' stdout lines (gloo's connection counts)."""
+    return proc.stderr.splitlines() + [line for line in proc.stdout.splitlines() if line.startswith("[Gloo]")]

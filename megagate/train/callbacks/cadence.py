@@ -63,7 +63,8 @@ class Evaluation(Callback):
 
     def on_end(self, trainer: TrainerView) -> None:
         if trainer.completed:
-            if self.saved_step != trainer.step:  # the final checkpoint first: the validation cannot lose it
+            # the final checkpoint first (unless checkpoint.save_final=false): the validation cannot lose it
+            if trainer.cfg.checkpoint.save_final and self.saved_step != trainer.step:
                 trainer.save_checkpoint()
             self._evaluate(trainer)
 
@@ -82,7 +83,8 @@ def asynchronous(cfg: TrainConfig) -> bool:
 
 class Checkpointing(Callback):
     """A checkpoint every checkpoint.interval steps and at the end of every launch that trained (completed, stopped
-    by a signal or the wall-time limit, or aborted by a callback), so a rerun of the same command resumes."""
+    by a signal or the wall-time limit, or aborted by a callback), so a rerun of the same command resumes; none at
+    the end with checkpoint.save_final=false."""
 
     priority = 20
 
@@ -112,11 +114,14 @@ class Checkpointing(Callback):
         with progress.within("save"):
             trainer.checkpointer.wait()  # the final or stop checkpoint, the lock and a requeue wait for it
         # trainer.step == start_step: the latest checkpoint already holds this state (or no step ran)
-        if trainer.step > trainer.start_step and self.saved_step != trainer.step:
+        wanted = trainer.cfg.checkpoint.save_final and trainer.step > trainer.start_step
+        if wanted and self.saved_step != trainer.step:
             trainer.save_checkpoint()
         if trainer.stop_reason is not None and trainer.error is None:
             if self.saved_step == trainer.step:
                 saved = "checkpoint saved"
+            elif not trainer.cfg.checkpoint.save_final:
+                saved = "no checkpoint at the end (checkpoint.save_final=false)"
             elif trainer.step == 0:
                 saved = "no step was trained, nothing to save"
             else:
