@@ -130,7 +130,7 @@ class Checkpointing(Callback):
 
 
 class StopChecks(Callback):
-    """Stops before a step on SIGTERM/SIGUSR1 (any rank), near train.wall_time_limit, or after
+    """Stops before a step on SIGTERM/SIGUSR1/SIGINT (any rank), near train.wall_time_limit, or after
     train.exit_after_steps steps of this launch; all ranks agree (megagate.train.signals). First of all."""
 
     priority = 100
