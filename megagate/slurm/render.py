@@ -255,6 +255,20 @@ failure_reason() {
     echo "${reason:-step exit code $1}"
 }
 
+exclude_hung_hosts() {
+    # Each host of $1 (comma-separated) blamed for MEGAGATE_EXCLUDE_AFTER_HANGS hangs of this job (the attempts
+    # file's fifth column) goes into the exclusion list that the requeue applies.
+    (( MEGAGATE_EXCLUDE_AFTER_HANGS > 0 )) || return 0
+    local host hangs
+    for host in ${1//,/ }; do
+        hangs=$(awk -F'\t' -v h="$host" '$3 ~ /^hang on / && ("," $5 ",") ~ ("," h ",")' "$FAILURES" | wc -l)
+        if (( hangs >= MEGAGATE_EXCLUDE_AFTER_HANGS )) && ! grep -qx "$host" "$EXCLUDED" 2>/dev/null; then
+            echo "$host" >> "$EXCLUDED"
+            echo "megagate-slurm: excluding $host from this job: $hangs hangs there (exclude_after_hangs=${MEGAGATE_EXCLUDE_AFTER_HANGS})"
+        fi
+    done
+}
+
 failure_key() {
     # What makes two failures "the same way". With the trainer's progress file: failing again from the same
     # checkpoint (whatever srun's racy reason says); without one: the same reason.
@@ -308,15 +322,7 @@ else
     fi
     reason="step failed (exit code $rc: $why)"
     printf '%s\t%s\t%s\t%s\t%s\n' "$RESTARTS" "$rc" "$key" "$why" "$hosts" >> "$FAILURES"
-    if [[ "$key" == hang\ on\ * && "$MEGAGATE_EXCLUDE_AFTER_HANGS" -gt 0 ]]; then
-        for host in ${hosts//,/ }; do
-            hangs=$(awk -F'\t' -v h="$host" '$3 ~ /^hang on / && ("," $5 ",") ~ ("," h ",")' "$FAILURES" | wc -l)
-            if (( hangs >= MEGAGATE_EXCLUDE_AFTER_HANGS )) && ! grep -qx "$host" "$EXCLUDED" 2>/dev/null; then
-                echo "$host" >> "$EXCLUDED"
-                echo "megagate-slurm: excluding $host from this job: $hangs hangs there (exclude_after_hangs=${MEGAGATE_EXCLUDE_AFTER_HANGS})"
-            fi
-        done
-    fi
+    [[ "$key" == hang\ on\ * ]] && exclude_hung_hosts "$hosts"
     # Consecutive: the last N attempts all failed with this key (a signalled attempt in between breaks the run).
     same=$(tail -n "$MEGAGATE_MAX_SAME_FAILURES" "$FAILURES" \
         | awk -F'\t' -v k="$key" '$2 != 0 && $3 == k' | wc -l)
