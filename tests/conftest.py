@@ -38,6 +38,20 @@ _DAEMONS = {"slurmctld", "slurmd", "slurmdbd", "munged", "slurmstepd"}
 
 
 @pytest.fixture(autouse=True)
+def _restore_signal_handlers():
+    """`megagate train` run in this process (the CLI, in-process) installs its stop-signal handlers and Ctrl-C's
+    wakeup pipe (megagate.train.signals.install_early); the next test gets the session's own back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup)
+    yield
+    for s, handler in saved.items():
+        if handler is not None:
+            signal.signal(s, handler)
+    signal.set_wakeup_fd(wakeup)
+
+
+@pytest.fixture(autouse=True)
 def _fresh_moe_metrics_tracker():
     """megatron's global MoE metrics tracker sizes its per-layer tensors by the first MoE model that records into
     it; an in-process test with another layer count would then index past them. Each test starts without one."""

@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     # the package root, errors, files, console and the rank helpers (torch only) may be imported by every layer
     ("megagate", "megagate.errors", "megagate.distributed.utils"),
     ("megagate.model",),
-    ("megagate.distributed",),
+    ("megagate.distributed", "megagate.health"),
     ("megagate.data",),
     ("megagate.monitor",),  # live monitoring: the spike detector, faults, diagnostics, events, run files
     ("megagate.analysis",),  # offline analysis of models and run directories

@@ -26,6 +26,19 @@ BASE = [
 ]
 
 
+# Multi-process runs compare their ranks in windows of 4 steps (the default, 20, never ends a window in these short
+# runs) and must report no straggler: no false positives (tests/train/test_stragglers.py has the true one).
+STRAGGLER = ["straggler.interval=4", "straggler.windows=2"]
+
+
+def no_stragglers(out: Path) -> None:
+    """Fail if the run at `out` reported a straggler (health.jsonl)."""
+    from megagate.health import channel
+
+    reports = channel.read_events(out, "straggler")
+    assert reports == [], f"{out}: straggler reported in a run without a slow rank: {reports}"
+
+
 def run_train(
     out: Path,
     demo_dir: Path,
@@ -35,8 +48,10 @@ def run_train(
     timeout: int = 600,
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run the trainer on the tiny config; nproc > 1 uses torchrun (standalone, gloo); `env` adds variables."""
-    args = ["--config", str(CONFIG), *BASE, f"data.demo_dir={demo_dir}", f"output.dir={out}", *overrides]
+    """Run the trainer on the tiny config; nproc > 1 uses torchrun (standalone, gloo) and checks that no straggler
+    was reported; `env` adds variables."""
+    window = STRAGGLER if nproc > 1 else []
+    args = ["--config", str(CONFIG), *BASE, *window, f"data.demo_dir={demo_dir}", f"output.dir={out}", *overrides]
     if nproc == 1:
         cmd = [sys.executable, "-m", "megagate", "train", *args]
     else:
@@ -57,6 +72,8 @@ def run_train(
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         )
+    if check and nproc > 1:
+        no_stragglers(out)
     return proc
 
 
