@@ -94,24 +94,30 @@ class Case:
         self.params = parameter_counts(cfg.model)["total"]
         self.times: list[float] = []
         self.losses: list[float] = []
-        self.host_syncs: list[int] = []  # per timed step, where a host-sync counter wraps `step` (none yet)
+        self.host_syncs: list[int] = []  # synchronising CUDA calls per timed step (none counted without CUDA)
+        self.last_syncs: int | None = None
         self.figures: dict[str, Any] = {"params": self.params, "ffn": cfg.model.effective_ffn_hidden_size}
 
     def step(self, batch) -> float:
-        """One forward, backward and AdamW step; its wall time (the device synchronised at both ends)."""
+        """One forward, backward and AdamW step; its wall time (the device synchronised at both ends). The
+        synchronising CUDA calls in between are counted (torch.cuda.set_sync_debug_mode) into `last_syncs`."""
         import torch
+
+        from megagate.train.step_values import cuda_syncs
 
         tokens, position_ids, labels = batch
         if self.cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        loss = self.model(tokens, position_ids, None, labels=labels).float().mean()
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        with cuda_syncs() as syncs:
+            loss = self.model(tokens, position_ids, None, labels=labels).float().mean()
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         if self.cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
+        self.last_syncs = len(syncs) if self.cuda else None
         self.losses.append(float(loss.detach()))
         return elapsed
 
@@ -177,6 +183,11 @@ def body(args, record: child.Record) -> None:
         },
         datasheet_bf16_tflops=peak,
         optimizer="torch AdamW (fused on GPU) on the bf16 parameters; no DDP or distributed optimizer",
+        host_syncs=(
+            "synchronising CUDA calls per timed step, counted with torch.cuda.set_sync_debug_mode"
+            if cuda
+            else "not counted: no CUDA (host_syncs_per_step null)"
+        ),
     )
     gen = torch.Generator().manual_seed(0)
     device = "cuda" if cuda else "cpu"
@@ -230,6 +241,8 @@ def body(args, record: child.Record) -> None:
             for key in order[r % len(order) :] + order[: r % len(order)]:
                 try:
                     cases[key].times.append(cases[key].step(batch))
+                    if cases[key].last_syncs is not None:
+                        cases[key].host_syncs.append(cases[key].last_syncs)
                 except Exception as exc:  # noqa: BLE001 - dropped from the later rounds, the others go on
                     errors[key] = f"round {r + 1}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
             for key in [k for k in order if k in errors]:
