@@ -4,6 +4,7 @@ base.py      Callback: the hooks and their order
 metrics.py   MetricsLogger (config.yaml, metrics.jsonl, TensorBoard, console), RunSummary (summary.json)
 cadence.py   StopChecks (signals, wall time, exit_after_steps), Evaluation, Checkpointing
 monitor.py   FaultInjection, SpikeMonitoring (skip / rollback / lr_backoff / abort), LiveDiagnostics
+early_stop.py EarlyStopping (monitor.early_stop: end a decided run with its reason)
 perf.py      ManualGC, Profiling (the perf section: perf.manual_gc_interval, perf.profile)
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 from megagate.config import TrainConfig
 from megagate.train.callbacks.base import Callback
 from megagate.train.callbacks.cadence import Checkpointing, Evaluation, StopChecks, evaluate
+from megagate.train.callbacks.early_stop import EarlyStopping
 from megagate.train.callbacks.metrics import MetricsLogger, RunSummary
 from megagate.train.callbacks.monitor import FaultInjection, LiveDiagnostics, SpikeMonitoring
 from megagate.train.callbacks.perf import ManualGC, Profiling, perf_callbacks
@@ -32,6 +34,8 @@ def default_callbacks(cfg: TrainConfig) -> list[Callback]:
         callbacks.append(FaultInjection(m.faults))
     if m.spike.enabled:
         callbacks.append(SpikeMonitoring(m.spike))
+    if m.early_stop.enabled:  # after the spike monitor: it counts that step's loss spikes
+        callbacks.append(EarlyStopping(m.early_stop, cfg.train.warmup_steps))
     if m.diagnostics.interval:
         callbacks.append(LiveDiagnostics(m.diagnostics.interval))
     # the profiler's step ranges wrap only the step (before evaluation and checkpointing, which are not profiled)
@@ -41,6 +45,7 @@ def default_callbacks(cfg: TrainConfig) -> list[Callback]:
 __all__ = [
     "Callback",
     "Checkpointing",
+    "EarlyStopping",
     "Evaluation",
     "FaultInjection",
     "LiveDiagnostics",

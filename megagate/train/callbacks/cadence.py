@@ -93,7 +93,9 @@ class Checkpointing(Callback):
 
     def on_end(self, trainer: Trainer) -> None:
         self.save_final(trainer)
-        if trainer.stop_reason is not None and trainer.error is None:
+        if (trainer.stop_final or "early_stop" in trainer.summary) and trainer.error is None:
+            log(f"stopped at step {trainer.step}: {trainer.stop_reason}; the run is over (summary.json says why)")
+        elif trainer.stop_reason is not None and trainer.error is None:
             if self.saved_step == trainer.step:
                 saved = "checkpoint saved"
             elif trainer.step == 0:

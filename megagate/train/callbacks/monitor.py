@@ -43,6 +43,7 @@ class SpikeMonitoring(Callback):
     def __init__(self, config: SpikeMonitorConfig) -> None:
         self.monitor = SpikeMonitor(config)
         self.events: EventLog | None = None
+        self.step_events: list = []  # this step's SpikeEvents (EarlyStopping counts the loss spikes)
 
     def on_start(self, trainer: Trainer) -> None:
         if trainer.logging_rank:
@@ -62,6 +63,7 @@ class SpikeMonitoring(Callback):
     def pre_optim_step(self, trainer: Trainer, update: Update) -> None:
         step = update.step
         events = self.monitor.observe(step, {"loss": update.loss, "grad_norm": update.grad_norm})
+        self.step_events = events
         if events and self.events is not None:
             self.events.write(events)
         trainer.summary["spikes"] = self.monitor.num_events
