@@ -52,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--max-loss-spikes", type=int, default=0, help="loss spikes allowed after warm-up (0)")
     h.add_argument("--min-healthy-seeds", type=int, default=None, help="seeds that must be healthy (default: all)")
     e = parser.add_argument_group("early stopping")
-    e.add_argument("--margin", type=float, default=None, help="nats above the best trial at a rung (default: delta)")
+    e.add_argument(
+        "--margin", type=float, default=None, help="nats above the best trial at a rung (default: 2 x delta)"
+    )
     e.add_argument("--eta", type=float, default=2.0, help="rungs at T/eta, T/eta^2, ... (default 2)")
     e.add_argument("--window", type=int, default=10, help="steps averaged at a rung (default 10)")
     e.add_argument("--no-early-stop", action="store_true", help="run every trial to its last step")
@@ -94,7 +96,9 @@ def _spec(args: argparse.Namespace) -> FrontierSpec:
         resolution=args.resolution,
         rule=HealthRule(delta, args.max_loss_spikes, args.min_healthy_seeds),
         early=EarlyStopSpec(
-            margin=delta if args.margin is None else args.margin,
+            # a training-loss gap at a rung overstates the final validation gap (measured 1.3-1.9x on the CPU
+            # study's grid between steps 100 and 250): "clearly worse" is twice the tolerance
+            margin=2 * delta if args.margin is None else args.margin,
             eta=args.eta,
             window=args.window,
             enabled=not args.no_early_stop,
@@ -251,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
         state = state_mod.load(out)
         if state.done:
             print(write_report(out, dest=out))
-            print(f"[frontier] report: {out}/frontier.txt, frontier.json, frontier_lr.png")
+            print(f"[frontier] report: {out}/frontier.txt, frontier_report.json, frontier_lr.png")
     finally:
         lock.release()
     return 0

@@ -63,11 +63,12 @@ def plot_frontier(state: FrontierState, results: Sequence[Any], path: str | Path
         ax.set_title(f"{r.variant}: {b.describe()}", fontsize=8)
         ax.set_xlabel("peak learning rate")
         ax.grid(alpha=0.3, which="both")
-    axes[0][0].set_ylabel("final validation loss (x: last training loss of a stopped trial)")
+    axes[0][0].set_ylabel("final validation loss\n(x: last training loss, stopped early)")
     fig.suptitle(
-        f"stability frontier: healthy up to the green line, bracket hatched; dotted: best + {spec.rule.delta:g}; "
-        f"seeds {','.join(map(str, spec.seeds))} by colour, open = unhealthy",
+        f"stability frontier: healthy up to the green line, bracket hatched\ndotted: best + {spec.rule.delta:g}; "
+        f"seeds {','.join(map(str, spec.seeds))} by colour; open = unhealthy",
         fontsize=8,
+        y=1.04,
     )
     return plotting.save(fig, path)
 

@@ -1,8 +1,8 @@
 """The frontier report: per variant the bracket (largest healthy, smallest unhealthy LR), the seeds behind it, the
 trials and why each was judged as it was, the compute spent against the full grid at the same resolution, and —
 given a grid's run folders (a `megagate sweep` of the same config) — the same rule applied to the grid, side by
-side. `megagate report OUT` prints it for a folder with frontier.json (and writes frontier.txt, frontier.json and
-frontier_lr.png with --out); the driver writes it into OUT when the search ends.
+side. `megagate report OUT` prints it for a folder with frontier.json (and writes frontier.txt, frontier_report.json
+and frontier_lr.png with --out); the driver writes it into OUT when the search ends.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from megagate.frontier.search import Bracket, bracket_of, judge, plan_variant
 from megagate.frontier.spec import FrontierSpec
 from megagate.frontier.state import FrontierState
 from megagate.monitor import runfiles
+
+REPORT_JSON = "frontier_report.json"  # not frontier.json: that is the search's state
 
 
 @dataclass
@@ -90,9 +92,9 @@ def ordering(brackets: dict[str, Bracket]) -> str:
     parts = []
     for variant, b in sorted(brackets.items(), key=key, reverse=True):
         if b.healthy is None:
-            parts.append(f"{variant} (< {b.unhealthy:g})" if b.unhealthy else f"{variant} (-)")
+            parts.append(f"{variant} (< {b.unhealthy:.3g})" if b.unhealthy else f"{variant} (-)")
         else:
-            parts.append(f"{variant} ({'>= ' if b.unhealthy is None else ''}{b.healthy:g})")
+            parts.append(f"{variant} ({'>= ' if b.unhealthy is None else ''}{b.healthy:.3g})")
     return " > ".join(parts)
 
 
@@ -206,7 +208,7 @@ def text_report(state: FrontierState, out: Path, grid: GridResult | None = None)
         rows.append(
             [
                 r.variant,
-                ("-" if b.healthy is None else (">= " if b.unhealthy is None else "") + f"{b.healthy:g}"),
+                ("-" if b.healthy is None else (">= " if b.unhealthy is None else "") + f"{b.healthy:.3g}"),
                 b.describe(),
                 _fmt(b.width, ".3g"),
                 _seeds(r.status, b.healthy),
@@ -317,7 +319,8 @@ def frontier_dirs(paths: Sequence[str | Path]) -> list[Path]:
 
 
 def write_report(out: Path, grid_folders: Sequence[str | Path] = (), dest: Path | None = None) -> str:
-    """Print-ready text of the frontier in `out`; with `dest`, frontier.txt, frontier.json and frontier_lr.png there."""
+    """Print-ready text of the frontier in `out`; with `dest`, frontier.txt, frontier_report.json and frontier_lr.png
+    there."""
     from megagate.frontier.plot import plot_frontier
 
     state = state_mod.load(out)
@@ -327,7 +330,7 @@ def write_report(out: Path, grid_folders: Sequence[str | Path] = (), dest: Path 
     text, record = text_report(state, out, grid)
     if dest is not None:
         runfiles.write_atomic(dest / "frontier.txt", text + "\n")
-        runfiles.write_json(dest / "frontier.json", record)
+        runfiles.write_json(dest / REPORT_JSON, record)
         plot_frontier(state, variant_results(state), dest / "frontier_lr.png", out)
     return text
 

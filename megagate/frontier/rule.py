@@ -57,11 +57,13 @@ class HealthRule:
         return seeds if self.min_healthy_seeds is None else self.min_healthy_seeds
 
     def describe(self) -> str:
-        seeds = "every seed" if self.min_healthy_seeds is None else f"at least {self.min_healthy_seeds} seeds"
+        seeds = (
+            "all its seeds are" if self.min_healthy_seeds is None else f"at least {self.min_healthy_seeds} seeds are"
+        )
         return (
             f"healthy = ran every step (no early stop, no monitor abort), not diverged, <= {self.max_loss_spikes} "
             f"loss spikes after warm-up, final validation loss <= the variant's best + {self.delta:g} nats; "
-            f"an LR is healthy when {seeds} are"
+            f"an LR is healthy when {seeds}"
         )
 
 

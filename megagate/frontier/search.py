@@ -68,10 +68,10 @@ class Bracket:
 
     def describe(self) -> str:
         if self.healthy is None:
-            return f"below the range (unhealthy at {self.unhealthy:g})" if self.unhealthy else "nothing run"
+            return f"below the range (unhealthy at {self.unhealthy:.3g})" if self.unhealthy else "nothing run"
         if self.unhealthy is None:
-            return f">= {self.healthy:g} (healthy up to the top of the range)"
-        return f"[{self.healthy:g}, {self.unhealthy:g})"
+            return f">= {self.healthy:.3g} (healthy up to the top of the range)"
+        return f"[{self.healthy:.3g}, {self.unhealthy:.3g})"
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,10 @@ def world(frontier: float, bad_seed_at: dict[float, int] | None = None):
     return run
 
 
-def search(run, rule=HealthRule(), seeds=SEEDS, coarse=2, resolution=0.25, lo=LO, hi=HI, limit=40):
+DEFAULT_RULE = HealthRule()
+
+
+def search(run, rule=DEFAULT_RULE, seeds=SEEDS, coarse=2, resolution=0.25, lo=LO, hi=HI, limit=40):
     """Drive the planner to the end like the driver does (every request run, in rounds); the rounds and the plan."""
     outcomes, rounds = {}, []
     for _ in range(limit):

@@ -32,7 +32,7 @@ def test_settings_parse_onto_the_defaults_and_bad_ones_are_one_line():
     assert parse_settings("").to_dict() == parse_settings("action=warn").to_dict()
     for text, match in [
         ("min_history", "is not key=value"),
-        ("window.loss=3", "only metric_thresholds, abs_ceiling, direction, transform take a .metric"),
+        ("window.loss=3", "only metric_thresholds, abs_ceiling, direction, transform, early_rise take a .metric"),
         ("action=rollback", "only warn replays exactly"),
         ("min_history=500", r"--replay-monitor: monitor.spike.min_history \(500\) must be <= monitor.spike.window"),
         ("colour=red", "monitor.spike.colour is not a known key"),
@@ -43,12 +43,16 @@ def test_settings_parse_onto_the_defaults_and_bad_ones_are_one_line():
 
 def test_replay_flags_the_spike_once_armed():
     assert replay_events(rows(), parse_settings(""), "run") == [50]  # z of a +3 nat rise over ~0.05 noise
-    assert replay_events(rows(spike_at=15), parse_settings(""), "run") == []  # before min_history 20
-    assert replay_events(rows(spike_at=15), parse_settings("min_history=5"), "run") == [15]
+    # before min_history 20: the warm-up rule (a rise of more than 10 % over the median) catches it
+    assert replay_events(rows(spike_at=15), parse_settings(""), "run") == [15]
+    assert replay_events(rows(spike_at=15), parse_settings("early_rise={}"), "run") == []  # without it: not armed
+    assert replay_events(rows(spike_at=15, height=0.5), parse_settings(""), "run") == []  # +0.5 nats: under 10 %
+    assert replay_events(rows(spike_at=15), parse_settings("early_rise={},min_history=5"), "run") == [15]
+    assert replay_events(rows(spike_at=3), parse_settings(""), "run") == []  # 2 values: too few even for it
     assert replay_events(rows(height=0.2), parse_settings("threshold=1000"), "run") == []
     nan = rows()
     nan[59]["loss"] = math.nan
-    assert replay_events(nan, parse_settings("min_history=100"), "run") == [60]  # non-finite: always an event
+    assert replay_events(nan, parse_settings("min_history=100,early_rise={}"), "run") == [60]  # non-finite: always
     with pytest.raises(MegagateError, match=r"run: the log skips steps \(at step 31; logging.interval > 1\?\)"):
         replay_events(rows(skip=30), parse_settings(""), "run")
 
@@ -57,7 +61,7 @@ def test_report_command_replays(tmp_path, capsys):
     run = tmp_path / "sweep" / "baseline_lr1_s0"
     run.mkdir(parents=True)
     runfiles.write_atomic(run / runfiles.CONFIG, "seed: 0\ntrain: {lr: 1.0}\nmodel: {gate: {preset: baseline}}\n")
-    for r in rows(spike_at=15):
+    for r in rows(spike_at=25):
         runfiles.write_metrics(run, r["step"], "train", loss=r["loss"], grad_norm=r["grad_norm"], lr=1.0)
     assert main(["report", str(tmp_path / "sweep")]) == 0
     logged = capsys.readouterr().out
@@ -71,6 +75,6 @@ def test_report_command_replays(tmp_path, capsys):
     assert "monitor events replayed over the logged curves" in replayed
     record = runfiles.read_json(tmp_path / "o" / "aggregate.json")
     assert record["definitions"]["monitor_events"]["replayed_with"]["min_history"] == 5
-    assert record["runs"][0]["event_steps"] == [15]
+    assert record["runs"][0]["event_steps"] == [25]
     assert main(["report", str(tmp_path / "sweep"), "--replay-monitor", "action=skip"]) == 2
     assert "only warn replays exactly" in capsys.readouterr().err
