@@ -25,6 +25,8 @@ LAYERS: list[tuple[str, ...]] = [
     # hf / hf_config / hf_weights import only megagate.model; hf_io reads and writes checkpoints (megagate.train)
     ("megagate.interop",),
     ("megagate.slurm",),
+    # the frontier search runs trials locally or as Slurm arrays (megagate.slurm) and reads runs (megagate.monitor)
+    ("megagate.frontier",),
     ("megagate.commands", "megagate.cli", "megagate.__main__"),
 ]
 

@@ -17,12 +17,18 @@ import shlex
 import sys
 from pathlib import Path
 
-from megagate.commands.sweep import _ints
 from megagate.errors import ConfigError, MegagateError
 from megagate.frontier import driver
 from megagate.frontier import state as state_mod
 from megagate.frontier.rule import HealthRule
 from megagate.frontier.spec import EarlyStopSpec, FrontierSpec, resolve, validate
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
 def _range(text: str) -> tuple[float, float]:

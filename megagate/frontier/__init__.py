@@ -11,5 +11,6 @@ state.py    frontier.json: the durable state (spec, trials, rounds), written ato
 driver.py   one driver step: harvest the last round, plan, launch the next (local pool or Slurm), until done
 local.py    the local process pool (`megagate train` per trial, sized to the machine)
 slurm.py    a round as a job array and the next driver as a job that depends on it (no terminal needed)
-report.py   the frontier report: bracket per variant, seeds, compute against the full grid, loss-vs-LR plot
+report.py   the frontier report: bracket per variant, seeds, compute against the full grid (and a grid run side by side)
+plot.py     frontier_lr.png: loss vs LR per variant with the frontier marked
 """
