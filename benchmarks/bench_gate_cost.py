@@ -59,7 +59,7 @@ def build_pair(seq: int = 256, batch: int = 4, seed: int = 0, variant: str = "g1
     from megagate.model import gate as gates
     from megagate.model import qkv_layout
     from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.model.config import model_preset
+    from megagate.model.presets import model_preset
     from megagate.model.spec import gated_decoder_block_spec
 
     shape = {**FULL, **shape}

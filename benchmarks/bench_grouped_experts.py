@@ -30,7 +30,7 @@ QUICK = dict(tokens=256, experts=4, hidden=64, ffn=64, topk=2, reps=2)
 def _layer(grouped: bool, args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
     from megagate.model import gate as gates
     from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.model.config import model_preset
+    from megagate.model.presets import model_preset
     from megagate.train import init
 
     mc = model_preset(

@@ -8,9 +8,8 @@ from megagate.errors import ConfigError
 from megagate.model import gate as gates
 from megagate.model import qkv_layout
 from megagate.model.build import build_gpt_model, transformer_config
-from megagate.model.config import model_preset
-from megagate.model.counts import gate_parameter_count
-from megagate.model.gate_params import GateParam, gate_parameters
+from megagate.model.gate_params import GateParam, gate_parameter_count, gate_parameters
+from megagate.model.presets import model_preset
 from megagate.model.spec import check_gate_compatible, gated_layer_spec
 from megagate.train import init
 

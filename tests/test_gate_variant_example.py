@@ -12,9 +12,9 @@ from helpers import distributed, doc_example, parallel_workers, reference
 from megagate.errors import ConfigError
 from megagate.model import gate as gates
 from megagate.model.build import build_gpt_model, meta_parameter_count, transformer_config
-from megagate.model.config import model_preset
-from megagate.model.counts import gate_parameter_count, parameter_counts
-from megagate.model.gate_params import gate_parameters
+from megagate.model.counts import parameter_counts
+from megagate.model.gate_params import gate_parameter_count, gate_parameters
+from megagate.model.presets import model_preset
 from megagate.model.spec import gated_layer_spec
 from megagate.train import init
 

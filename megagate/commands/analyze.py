@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
+from megagate.analysis.analyze import SAMPLE_TEXT, analyze_model
 from megagate.errors import MegagateError
-from megagate.monitor.analyze import SAMPLE_TEXT, analyze_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,9 +49,9 @@ def run(args: argparse.Namespace) -> int:
     tokens = text_batch(encode(text), args.seq_len, args.batch)
     device = next(model.parameters()).device
     table = analyze_model(model, tokens.to(device), args.out)
-    from megagate.monitor import runfiles
+    from megagate.files import write_atomic
 
-    runfiles.write_atomic(Path(args.out) / "table.txt", table + "\n")
+    write_atomic(Path(args.out) / "table.txt", table + "\n")
     print(table)
     print(f"plots written to {args.out}")
     return 0

@@ -190,7 +190,7 @@ def _start(args: argparse.Namespace) -> Path:
             argv = spec.trial_overrides(t.variant, t.lr, t.seed, out / name)
             print(shlex.join(["megagate", "train", "--config", spec.config, *argv]))
         return out
-    from megagate.data.indexed import check_writable_dir
+    from megagate.files import check_writable_dir
 
     check_writable_dir(out, "--out")
     state_mod.save(out, state_mod.FrontierState(spec, backend))

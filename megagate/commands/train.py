@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from megagate.errors import MegagateError
 
 if TYPE_CHECKING:
-    from megagate import config as config_mod
+    from megagate import run_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,12 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=8, help="with --dry-run: GPUs per node of the plan")
 
 
-def describe(cfg: config_mod.TrainConfig, world_size: int) -> str:
+def describe(cfg: run_config.TrainConfig, world_size: int) -> str:
     """The resolved model, parallel layout and batch arithmetic, as printed by --dry-run."""
-    from megagate import config as config_mod
+    from megagate import run_config
     from megagate.model.counts import flops_per_token, parameter_counts
 
-    layout = config_mod.layout(cfg, world_size)
+    layout = run_config.layout(cfg, world_size)
     m, t = cfg.model, cfg.train
     counts = parameter_counts(m)
     flops = flops_per_token(m, t.seq_length)
@@ -55,13 +55,14 @@ def describe(cfg: config_mod.TrainConfig, world_size: int) -> str:
     return "\n".join(lines + perf_lines(cfg))
 
 
-def perf_lines(cfg: config_mod.TrainConfig) -> list[str]:
+def perf_lines(cfg: run_config.TrainConfig) -> list[str]:
     """The perf settings in force on the GPU nodes the config is written for (megagate.perf.resolve_perf)."""
     from megagate import perf as perf_mod
+    from megagate.machine import Machine
 
-    target = perf_mod.Device.target(cfg)
+    target = Machine.target(cfg)
     perf = perf_mod.resolve_perf(cfg, target)
-    from megagate.model.spec import core_attention_name, experts_name, resolve_core_attention
+    from megagate.model.kernels import core_attention_name, experts_name, resolve_core_attention
 
     t, m = cfg.train, cfg.model
     backend = "te" if perf.backend_te else "local"
@@ -106,9 +107,9 @@ def run(args: argparse.Namespace) -> int:
         from megagate.train.signals import install_early
 
         install_early()  # before anything slow: a preemption warning during set-up must not kill the process
-    from megagate import config as config_mod  # imports torch (seconds): after the handlers exist
+    from megagate import config_reader, run_config
 
-    cfg = config_mod.load(args.config, args.overrides)
+    cfg = config_reader.load(args.config, args.overrides)
     if args.dry_run:
         world = args.world_size
         if world is None:
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             raise MegagateError(f"--gpus-per-node {args.gpus_per_node}: must be >= 1")
         from megagate.plan import plan
 
-        text = describe(cfg, world)  # the layout check of the real run (config_mod.layout) included
+        text = describe(cfg, world)  # the layout check of the real run (run_config.layout) included
         predicted = plan(cfg, world, args.gpu, gpus_per_node=min(args.gpus_per_node, world))
         print(f"{text}\nmemory plan:\n{predicted.table()}")
         return 0
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     env = launch.init_process_group()
     locks: list = []
     try:
-        config_mod.layout(cfg, env.world_size)  # refuse a bad layout before building anything
+        run_config.layout(cfg, env.world_size)  # refuse a bad layout before building anything
         # one run per output directory: every rank refuses together, before anything is written
         locks = runlock.lock_for_run(cfg.output.dir, cfg.checkpoint_dir)
         # megatron's checkpoint-writer Manager ignores the stop signals and dies with this process

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from megagate.distributed import launch, megatron_cpu
-from megagate.model.config import ParallelConfig
+from megagate.model.model_config import ParallelConfig
 
 
 def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from megagate.errors import MegagateError
 from megagate.evaluate.options import DataSpec, check_lengths, with_overrides
-from megagate.model.config import POSITION_FIELDS, ModelConfig, ParallelConfig
+from megagate.model.model_config import POSITION_FIELDS, ModelConfig, ParallelConfig
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Prepared:
     path: Path
     name: str
     meta: dict
-    cfg: Any  # megagate.config.TrainConfig of the run
+    cfg: Any  # megagate.run_config.TrainConfig of the run
     model: ModelConfig  # the run's model with the --rope overrides
     tokenizer: str | None
 
@@ -53,7 +53,7 @@ class Options:
 # --- before anything is built ------------------------------------------------------------------------------------
 def resolve_checkpoint(given: str) -> Path:
     """An iter_NNNNNNN folder from a checkpoint, a checkpoint root or a run folder (its newest complete one)."""
-    from megagate.train import checkpoint as ckpt
+    from megagate import checkpoint as ckpt
 
     path = ckpt.resolve(given)
     if not (path / ckpt.META).exists():
@@ -66,15 +66,15 @@ def resolve_checkpoint(given: str) -> Path:
 
 def prepare(given: str, rope: dict[str, Any], lengths: list[int], name: str | None = None) -> Prepared:
     """Read a checkpoint's metadata and config (no tensors), apply --rope and check the lengths against it."""
-    from megagate import config as config_mod
-    from megagate.train import checkpoint as ckpt
+    from megagate import checkpoint as ckpt
+    from megagate import config_reader
     from megagate.train.load import run_tokenizer
 
     path = resolve_checkpoint(given)
     meta = ckpt.read_meta(path)
     if not isinstance(meta.get("config"), dict):
         raise MegagateError(f"checkpoint {str(path)!r}: {ckpt.META} has no run config")
-    cfg = config_mod.from_dict(meta["config"], environment=False)
+    cfg = config_reader.from_dict(meta["config"], environment=False)
     where = f"checkpoint {str(path)!r}"
     model = with_overrides(cfg.model, rope, where)
     check_lengths(model, lengths, where)
@@ -168,8 +168,9 @@ def load_chunks(p: Prepared, opts: Options) -> list:
     """This rank's model chunk(s) of `p` in eval mode, its tensors loaded (resharded) from the checkpoint."""
     from megatron.core import parallel_state
 
+    from megagate import checkpoint as ckpt
+    from megagate.distributed.utils import gather_objects
     from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.train import checkpoint as ckpt
     from megagate.train.components import precision_kwargs, resolve_backend
 
     scanned = ckpt.safety_check(p.path)  # before anything unpickles it (collective: every rank agrees)
@@ -192,7 +193,7 @@ def load_chunks(p: Prepared, opts: Options) -> list:
         ckpt.Checkpointer(p.path.parent).load(p.path, [chunk], None, same_layout=False)
     except Exception as exc:  # megatron raises CheckpointingException and others for a mismatched checkpoint
         error = " ".join(str(exc).split())[:300]
-    error = next((e for e in ckpt.gather_objects(error) if e), None)
+    error = next((e for e in gather_objects(error) if e), None)
     if error:
         raise MegagateError(f"cannot load the model from {str(p.path)!r}: {error}")
     chunk.eval()

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from megagate.analysis import plotting
 from megagate.frontier import trials as trials_mod
 from megagate.frontier.rule import HEALTHY
 from megagate.frontier.state import FrontierState
-from megagate.monitor import plotting
 
 
 def _last_loss(out: Path, name: str) -> float | None:

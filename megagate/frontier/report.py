@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from megagate.errors import MegagateError
+from megagate.files import write_atomic
 from megagate.frontier import state as state_mod
 from megagate.frontier import trials as trials_mod
 from megagate.frontier.rule import HEALTHY, PointStatus, TrialOutcome
@@ -133,7 +134,7 @@ class GridResult:
 
 def grid_result(folders: Sequence[str | Path], spec: FrontierSpec) -> GridResult:
     """The frontier's rule applied to a full grid's runs (run folders, or folders of them), variant by variant."""
-    from megagate.monitor.report import find_runs
+    from megagate.analysis.report import find_runs
 
     runs = find_runs(folders)
     outcomes: dict[str, dict[tuple[float, int], TrialOutcome]] = {}
@@ -329,7 +330,7 @@ def write_report(out: Path, grid_folders: Sequence[str | Path] = (), dest: Path 
     grid = grid_result(grid_folders, state.spec) if grid_folders else None
     text, record = text_report(state, out, grid)
     if dest is not None:
-        runfiles.write_atomic(dest / "frontier.txt", text + "\n")
+        write_atomic(dest / "frontier.txt", text + "\n")
         runfiles.write_json(dest / REPORT_JSON, record)
         plot_frontier(state, variant_results(state), dest / "frontier_lr.png", out)
     return text

@@ -162,7 +162,7 @@ def validate(spec: FrontierSpec) -> None:
 def resolve(spec: FrontierSpec, out_dir: str | Path) -> FrontierSpec:
     """Read the config as every trial will (the trainer's loader and layout check on one process) and fill in
     train_steps and warmup_steps; refuse a config under which no trial could ever be healthy."""
-    from megagate import config as config_mod
+    from megagate import config_reader, run_config
     from megagate.yamlfile import load_mapping
 
     load_mapping(spec.config)  # a missing or broken file: one error
@@ -172,8 +172,8 @@ def resolve(spec: FrontierSpec, out_dir: str | Path) -> FrontierSpec:
             name = spec.trial_name(variant, lr, spec.seeds[0])
             overrides = spec.trial_overrides(variant, lr, spec.seeds[0], Path(out_dir) / name)
             try:
-                cfg = config_mod.load(spec.config, overrides)
-                config_mod.layout(cfg, 1)
+                cfg = config_reader.load(spec.config, overrides)
+                run_config.layout(cfg, 1)
             except ConfigError as exc:
                 raise ConfigError(f"frontier trial {name}: {exc}") from None
     t = cfg.train

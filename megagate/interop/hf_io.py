@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from megagate.errors import ConfigError, MegagateError
+from megagate.files import atomic_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 INDEX = "model.safetensors.index.json"
@@ -58,29 +59,15 @@ def check_out(out: str | os.PathLike, force: bool) -> Path:
     return out
 
 
-def _temp_dir(out: Path) -> Path:
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Rename the complete temporary folder to `out` (replacing what --force allowed to replace)."""
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-
-
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 def _run_config(path: Path) -> Any:
-    from megagate import config as config_mod
-    from megagate.train import checkpoint as ckpt
+    from megagate import checkpoint as ckpt
+    from megagate import config_reader
 
     meta = ckpt.read_meta(path)
     if not isinstance(meta.get("config"), dict):
         raise MegagateError(f"checkpoint {str(path)!r}: {ckpt.META} has no run config")
-    return meta, config_mod.from_dict(meta["config"], environment=False)
+    return meta, config_reader.from_dict(meta["config"], environment=False)
 
 
 # Transformer Engine fuses the pre-attention and pre-MLP norms into the following linear layer; interop.hf takes
@@ -121,8 +108,8 @@ def export_checkpoint(
     (`train.load.load_model_for_analysis`: dist_checkpointing reshards it) and converted by `interop.hf`.
     float32 keeps the trained values exactly; bfloat16 rounds every tensor.
     """
+    from megagate import checkpoint as ckpt
     from megagate.interop import hf
-    from megagate.train import checkpoint as ckpt
     from megagate.train.load import load_model_for_analysis, run_tokenizer
 
     if dtype not in DTYPES:
@@ -145,8 +132,7 @@ def export_checkpoint(
         # transformers 4.57.3's Qwen3NextDynamicCache looks up the last linear-attention layer and fails when every
         # layer is full attention: such a folder must run without a KV cache (forward and generate), by default
         config["use_cache"] = False
-    tmp = _temp_dir(out)
-    try:
+    with atomic_dir(out) as tmp:
         _write_safetensors(tmp, {k: v.to(DTYPES[dtype]) for k, v in tensors.items()}, shard_bytes)
         tok_note = _write_tokenizer(tmp, run_tokenizer(cfg.data), cfg.model.max_sequence_length, config)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -165,10 +151,6 @@ def export_checkpoint(
             )
             + "\n"
         )
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log(f"exported {path} (step {step}) as {fmt} ({dtype}) to {out}; tokenizer: {tok_note}")
     return out
 
@@ -324,7 +306,7 @@ def build_model(model_cfg: Any, state: Mapping[str, torch.Tensor]) -> torch.nn.M
     """A megagate GPTModel at TP = PP = 1 (fp32, megatron's local modules) holding exactly `state` (strict)."""
     from megagate.distributed import megatron_cpu
     from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.model.config import ParallelConfig
+    from megagate.model.model_config import ParallelConfig
     from megagate.train.load import _ensure_single_process_world
 
     megatron_cpu.install()
@@ -432,7 +414,7 @@ def _save_once(root: Path, model: torch.nn.Module, meta: Mapping[str, Any]) -> P
     the one started here is stopped after the save, so an import in a long-lived process leaves no child behind."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megagate.train import checkpoint as ckpt
+    from megagate import checkpoint as ckpt
     from megagate.train import children
 
     ours = filesystem_async._results_queue is None
@@ -463,7 +445,7 @@ def write_checkpoint(
     """
     import yaml
 
-    from megagate import config as config_mod
+    from megagate import config_reader
     from megagate.train import resume
 
     out = Path(out)
@@ -482,7 +464,7 @@ def write_checkpoint(
     train = dict(raw.get("train") or {})
     train.setdefault("seq_length", min(128, model_cfg.max_sequence_length))
     raw["train"] = train
-    cfg = config_mod.from_dict(raw, environment=False)  # the trainer's reader must accept what is saved
+    cfg = config_reader.from_dict(raw, environment=False)  # the trainer's reader must accept what is saved
     meta = {
         "consumed_samples": 0,
         "config": raw,
@@ -491,8 +473,7 @@ def write_checkpoint(
         "optimizer_format": cfg.checkpoint.optimizer_format,
         "imported_from": dict(source or {}),
     }
-    tmp = _temp_dir(out)
-    try:
+    with atomic_dir(out) as tmp:
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
         path = _save_once(tmp, model, meta)
@@ -502,10 +483,6 @@ def write_checkpoint(
             "# set data.blend (a placeholder or data.mock here), data.tokenizer, train.* and output.dir;\n"
             "# keep the model section as it is\n" + yaml.safe_dump(train_cfg, sort_keys=False)
         )
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log(
         f"wrote checkpoint {out / path.name} ({', '.join(f'{k} {v}' for k, v in (source or {}).items())}); "
         f"a training config starting from it: {out / IMPORT_CONFIG}"

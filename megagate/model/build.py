@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megagate.model.config import ModelConfig, ParallelConfig
+from megagate.model.model_config import ModelConfig, ParallelConfig
 
 
 def transformer_config(
@@ -122,7 +122,7 @@ def build_gpt_model(
     core_attention: str = "auto",
 ) -> GPTModel:  # noqa: F821
     """A megatron GPTModel built from the gated decoder block spec (this pipeline stage's part); `core_attention`
-    ("auto" | "sdpa" | "local" | "te") picks the attention kernel (`megagate.model.spec.resolve_core_attention`)."""
+    ("auto" | "sdpa" | "local" | "te") picks the attention kernel (`megagate.model.kernels.resolve_core_attention`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 

@@ -10,18 +10,20 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from megagate import config as config_mod
 from megagate import perf as perf_mod
-from megagate.config import Layout, TrainConfig
+from megagate import run_config
+from megagate.console import log
+from megagate.distributed.utils import rank0_first
 from megagate.errors import ConfigError
+from megagate.machine import Machine
 from megagate.model.build import build_gpt_model, transformer_config
-from megagate.train.metrics import log
+from megagate.run_config import Layout, TrainConfig
 
 
 @dataclass
@@ -52,7 +54,7 @@ class DataBuild:
 # --- precision and backend ---------------------------------------------------------------------------------------
 def resolve_backend(cfg: TrainConfig) -> str:
     """'te' or 'local' (auto: Transformer Engine when it imports and a GPU is present)."""
-    from megagate.model.spec import transformer_engine_available
+    from megagate.model.kernels import transformer_engine_available
 
     if cfg.train.backend != "auto":
         return cfg.train.backend
@@ -83,9 +85,9 @@ def precision_kwargs(cfg: TrainConfig) -> tuple[torch.dtype, dict]:
     return torch.bfloat16, extra
 
 
-def resolved_perf(cfg: TrainConfig, device: perf_mod.Device | None = None) -> perf_mod.ResolvedPerf:
+def resolved_perf(cfg: TrainConfig, device: Machine | None = None) -> perf_mod.ResolvedPerf:
     """The perf settings in force on `device` (default: this machine)."""
-    return perf_mod.resolve_perf(cfg, perf_mod.Device.detect() if device is None else device)
+    return perf_mod.resolve_perf(cfg, Machine.detect() if device is None else device)
 
 
 def perf_transformer_kwargs(cfg: TrainConfig, perf: perf_mod.ResolvedPerf) -> dict[str, Any]:
@@ -120,9 +122,7 @@ def perf_transformer_kwargs(cfg: TrainConfig, perf: perf_mod.ResolvedPerf) -> di
     return kwargs
 
 
-def model_transformer_config(
-    cfg: TrainConfig, device: perf_mod.Device | None = None, **extra: Any
-) -> TransformerConfig:  # noqa: F821
+def model_transformer_config(cfg: TrainConfig, device: Machine | None = None, **extra: Any) -> TransformerConfig:  # noqa: F821
     """The run's megatron TransformerConfig on `device` (default: this machine): model, parallel sizes, precision
     and the perf settings in force there."""
     dtype, fp8 = precision_kwargs(cfg)
@@ -131,7 +131,7 @@ def model_transformer_config(
         cfg.model,
         cfg.parallel,
         params_dtype=dtype,
-        use_cpu=not perf.device.gpu,
+        use_cpu=not perf.machine.gpu,
         **{**fp8, **perf_transformer_kwargs(cfg, perf), **extra},
     )
 
@@ -171,7 +171,7 @@ def build_model_chunks(cfg: TrainConfig) -> list:
     return chunks
 
 
-def ddp_config(cfg: TrainConfig, device: perf_mod.Device | None = None) -> DistributedDataParallelConfig:  # noqa: F821
+def ddp_config(cfg: TrainConfig, device: Machine | None = None) -> DistributedDataParallelConfig:  # noqa: F821
     """megatron's DistributedDataParallelConfig of the run on `device` (default: this machine)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -210,7 +210,7 @@ def wrap_ddp(cfg: TrainConfig, chunks: list) -> list:
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.uint8}
 
 
-def optimizer_config(cfg: TrainConfig, device: perf_mod.Device | None = None) -> OptimizerConfig:  # noqa: F821
+def optimizer_config(cfg: TrainConfig, device: Machine | None = None) -> OptimizerConfig:  # noqa: F821
     """megatron's OptimizerConfig (AdamW with clipping; the precision-aware optimizer's dtypes) on `device`."""
     from megatron.core.optimizer import OptimizerConfig
 
@@ -252,7 +252,7 @@ def build_optimizer(cfg: TrainConfig, ddp: list) -> tuple[Any, Any]:
     t = cfg.train
     optimizer = get_megatron_optimizer(optimizer_config(cfg), ddp)
     gbs = t.global_batch_size
-    style = config_mod.MEGATRON_LR_STYLE[t.lr_schedule]
+    style = run_config.MEGATRON_LR_STYLE[t.lr_schedule]
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -281,7 +281,7 @@ def build_data(cfg: TrainConfig, layout: Layout) -> tuple[Any, Any, DataBuild]:
     if d.demo and not blend:
         from megagate.data.demo import prepare_demo_data
 
-        tokenizer, prefix = _rank0_first(lambda: prepare_demo_data(d.demo_dir, d.demo_vocab_size, d.demo_max_bytes))
+        tokenizer, prefix = rank0_first(lambda: prepare_demo_data(d.demo_dir, d.demo_vocab_size, d.demo_max_bytes))
         blend = [prefix]
     if tokenizer is not None:
         from megagate.data.tokenizer import load_tokenizer
@@ -325,18 +325,6 @@ def data_samples(cfg: TrainConfig) -> tuple[int, int]:
         return train_samples, valid_samples
     needed = int(saved["consumed_samples"]) + (t.train_steps - int(saved["step"])) * gbs
     return max(needed, int(built["train"])), max(valid_samples, int(built["valid"]))
-
-
-def _rank0_first(fn: Callable[[], Any]) -> Any:
-    """Run fn on global rank 0 first (it may build cached files), then on the others."""
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if rank == 0:
-        result = fn()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    if rank != 0:
-        result = fn()
-    return result
 
 
 def loader(cfg: TrainConfig, dataset: Any, consumed_samples: int) -> Iterator[dict]:
@@ -392,7 +380,7 @@ def build_components(cfg: TrainConfig, world_size: int) -> Components:
     from megagate.distributed import megatron_cpu
     from megagate.distributed.parallel import initialize_model_parallel
 
-    layout = config_mod.layout(cfg, world_size)
+    layout = run_config.layout(cfg, world_size)
     megatron_cpu.install()
     megatron_cpu.fix_torch_adam_checkpoint_load()
     initialize_model_parallel(cfg.parallel, seed=cfg.seed)

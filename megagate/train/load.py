@@ -58,12 +58,12 @@ def load_model_for_analysis(
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    from megagate import config as config_mod
+    from megagate import checkpoint as ckpt
+    from megagate import config_reader
     from megagate.data.tokenizer import load_tokenizer
     from megagate.distributed import megatron_cpu
     from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.model.config import ParallelConfig
-    from megagate.train import checkpoint as ckpt
+    from megagate.model.model_config import ParallelConfig
     from megagate.train.components import precision_kwargs, resolve_backend
 
     path = ckpt.resolve(checkpoint_dir)
@@ -82,7 +82,7 @@ def load_model_for_analysis(
     if not isinstance(meta.get("config"), dict):
         raise MegagateError(f"checkpoint {str(path)!r}: {ckpt.META} has no run config")
     # The trainer's reader and checks, minus this machine's: the run's data files need not be here to analyse it.
-    cfg = config_mod.from_dict(meta["config"], environment=False)
+    cfg = config_reader.from_dict(meta["config"], environment=False)
     tokenizer_path = run_tokenizer(cfg.data)
     if tokenizer_path is None and need_tokenizer:
         raise MegagateError(f"checkpoint {str(path)!r}: the run has no tokenizer (mock data?) to encode text with")

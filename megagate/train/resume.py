@@ -20,8 +20,8 @@ import hashlib
 import os
 from typing import Any
 
-from megagate.config import MEGATRON_LR_STYLE, TrainConfig
 from megagate.errors import MegagateError
+from megagate.run_config import MEGATRON_LR_STYLE, TrainConfig
 
 # Fields of ModelConfig that define the weights (their shapes or their meaning); the others (init, rotary base,
 # maximum length, MoE loss coefficients) may change between launches.
@@ -149,7 +149,7 @@ def order_changed(saved: dict[str, Any] | None, dataset: Any) -> bool:
 
 def newest_meta(root: str | os.PathLike) -> dict[str, Any] | None:
     """The metadata of the newest complete checkpoint under `root` whose metadata reads, or None."""
-    from megagate.train import checkpoint as ckpt
+    from megagate import checkpoint as ckpt
 
     for _, path in reversed(ckpt.complete_checkpoints(root)):
         try:

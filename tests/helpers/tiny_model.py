@@ -14,7 +14,7 @@ import torch
 
 from megagate.model import gate as gates
 from megagate.model.build import build_gpt_model, transformer_config
-from megagate.model.config import model_preset
+from megagate.model.presets import model_preset
 from megagate.train import init
 
 STDLIB_FILES = ("argparse.py", "textwrap.py", "difflib.py", "pathlib.py", "json/decoder.py", "inspect.py")

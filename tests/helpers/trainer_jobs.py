@@ -205,6 +205,10 @@ def _test_callbacks(job: dict, out: Path) -> list[Any]:
         def post_step(self, trainer: Any, output: Any) -> None:
             self._record("post_step", output.step)
 
+        def post_checkpoint_saved(self, trainer: Any, path: Any, step: int) -> None:
+            assert Path(path).name == f"iter_{step:07d}" and (Path(path) / "manifest.json").is_file()
+            self._record("post_checkpoint_saved", step)
+
         def on_end(self, trainer: Any) -> None:
             self._record("on_end")
 
@@ -224,11 +228,11 @@ def _run_one(job: dict) -> tuple[int, str]:
 
     if not job["snapshots"] and not job["hooks"]:
         return cli.main(["train", *job["argv"]]), ""
-    from megagate import config as config_mod
+    from megagate import config_reader
     from megagate.distributed import parallel
     from megagate.train.trainer import train
 
-    cfg = config_mod.load(job["argv"][1], job["argv"][2:])
+    cfg = config_reader.load(job["argv"][1], job["argv"][2:])
     out = Path(job["dir"])
     parallel.init_distributed(0, 1, str(out / "rendezvous"), backend="gloo")
     try:

@@ -66,7 +66,7 @@ def transformers_folder(model_cfg, fmt: str, folder: Path, seed: int = 0) -> Pat
 
 def _tiny(preset: str, gate: str, **overrides):
     from megagate.model import gate as gates
-    from megagate.model.config import model_preset
+    from megagate.model.presets import model_preset
 
     return model_preset(preset, gate=gates.preset(gate), vocab_size=256, **overrides)
 
@@ -324,7 +324,7 @@ def _random_model(model_cfg):
     """A megagate model of `model_cfg` with megatron's own random initialisation."""
     from megagate.distributed import megatron_cpu
     from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.model.config import ParallelConfig
+    from megagate.model.model_config import ParallelConfig
 
     megatron_cpu.install()
     torch.manual_seed(0)

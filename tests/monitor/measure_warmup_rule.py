@@ -15,8 +15,8 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megagate.monitor.replay import parse_settings
-from megagate.monitor.report import find_runs, load_run
+from megagate.analysis.replay import parse_settings
+from megagate.analysis.report import find_runs, load_run
 
 WARMUP = 20
 SETTINGS = {"before (no warm-up rule)": "early_rise={}", "after (defaults)": ""}

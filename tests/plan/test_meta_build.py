@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from megagate.model import gate as gates
-from megagate.model.config import model_preset
+from megagate.model.presets import model_preset
 from megagate.plan.params import RankShape, chunk_params, rank_buffers
 
 HERE = os.path.dirname(__file__)

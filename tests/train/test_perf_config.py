@@ -1,6 +1,6 @@
 """The `perf:` section and FP8 settings, asserted on the megatron configs the trainer builds from them.
 
-Devices are simulated through the pure functions' `device` argument (megagate.perf.Device), never by mocking
+Machines are simulated through the pure functions' `machine` argument (megagate.machine.Machine), never by mocking
 torch.cuda: a GPU without Transformer Engine builds real TransformerConfig / DistributedDataParallelConfig /
 OptimizerConfig objects here; what megatron cannot construct without TE (its fused-kernel checks import TE) is
 asserted on the kwargs the builder passes. Refusals are one-line ConfigErrors from config validation (no process
@@ -19,23 +19,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from megagate import config as C
+from megagate import config_reader as C
 from megagate import perf as P
 from megagate.cli import main
 from megagate.errors import ConfigError
+from megagate.machine import Machine
+from megagate.run_config import TrainConfig
 from megagate.train import components as K
-from megagate.train.callbacks.perf import STEP_RANGE, ManualGC, trace_path
+from megagate.train.callbacks.profiling import STEP_RANGE, ManualGC, trace_path
 from tests.helpers import tiny_runs as T
 
 ROOT = Path(__file__).resolve().parents[2]
 MOE = {"preset": "tiny", "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 64}
-GPU = P.Device(gpu=True, te=False, apex=True)  # a GPU without Transformer Engine: every config constructs here
-GPU_TE = P.Device(gpu=True, te=True, apex=True)
-CPU = P.Device(gpu=False, te=False, apex=False)
+GPU = Machine(gpu=True, te=False, apex=True)  # a GPU without Transformer Engine: every config constructs here
+GPU_TE = Machine(gpu=True, te=True, apex=True)
+CPU = Machine(gpu=False, te=False, apex=False)
 CONFIG_15A2B = ROOT / "slurm" / "examples" / "configs" / "15a2b_moe.yaml"
 
 
-def make(model: dict | None = None, **sections: dict) -> C.TrainConfig:
+def make(model: dict | None = None, **sections: dict) -> TrainConfig:
     data = {"model": copy.deepcopy(model or MOE), "data": {"mock": True}, **copy.deepcopy(sections)}
     return C.from_dict(data, environment=False)
 
@@ -262,10 +264,10 @@ def test_fp8_alignment_refused_with_variant_and_tp():
 def test_device_refusals():
     """What only the real device decides: mxfp8 on Hopper, FP8 on a CPU, flex without DeepEP."""
     cfg = make(train={"precision": "fp8", "fp8_recipe": "mxfp8"}, perf={"apply_rope_fusion": False})
-    hopper = P.Device(gpu=True, te=True, capability=(9, 0), deep_ep=False, apex=True)
+    hopper = Machine(gpu=True, te=True, capability=(9, 0), deep_ep=False, apex=True)
     with pytest.raises(ConfigError, match=r"fp8_recipe='mxfp8' needs compute capability >= 10.0 .*this GPU is 9.0"):
         P.check_perf(cfg, hopper)
-    P.check_perf(cfg, P.Device(gpu=True, te=True, capability=(10, 0), apex=True))  # Blackwell: accepted
+    P.check_perf(cfg, Machine(gpu=True, te=True, capability=(10, 0), apex=True))  # Blackwell: accepted
     with pytest.raises(ConfigError, match="the CPU has no FP8"):
         P.check_perf(cfg, CPU)
     flex = make(perf={"moe_token_dispatcher_type": "flex"})

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from megagate.console import log
 from megagate.monitor import runfiles
 from megagate.monitor.early_stop import EarlyStopConfig, EarlyStopRule, StopDecision
-from megagate.train.callbacks.base import Callback
+from megagate.train.callbacks.base import Callback, StepOutput, TrainerView
 from megagate.train.callbacks.monitor import SpikeMonitoring
-from megagate.train.metrics import log
-
-if TYPE_CHECKING:
-    from megagate.train.trainer import StepOutput, Trainer
 
 
 def read_control(path: str) -> str | None:
@@ -33,8 +30,9 @@ def read_control(path: str) -> str | None:
 
 
 class EarlyStopping(Callback):
-    """After SpikeMonitoring in the callback list (it reads that step's loss events)."""
+    """After SpikeMonitoring (it reads that step's loss events), before LiveDiagnostics (no probe of a stopped run)."""
 
+    priority = 65
     state_key = "early_stop"
 
     def __init__(self, config: EarlyStopConfig, warmup_steps: int) -> None:
@@ -42,7 +40,7 @@ class EarlyStopping(Callback):
         self.rule = EarlyStopRule(config, warmup_steps)
         self.decision: StopDecision | None = None
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         previous = runfiles.read_json(Path(trainer.cfg.output.dir) / runfiles.SUMMARY) or {}
         early = previous.get("early_stop")
         if isinstance(early, dict) and previous.get("steps") == trainer.step and trainer.step:
@@ -50,13 +48,13 @@ class EarlyStopping(Callback):
             trainer.summary["early_stop"] = early  # summary.json stays as the decision wrote it (no final stop)
             trainer.stop(f"already decided: {early.get('reason')}")
 
-    def on_step_start(self, trainer: Trainer, step: int) -> None:
+    def on_step_start(self, trainer: TrainerView, step: int) -> None:
         if self.config.control_file and trainer.stop_reason is None:
             reason = read_control(self.config.control_file)
             if reason is not None:  # every rank reads the same file: the same decision on every rank
                 self._decide(trainer, StopDecision("control", step - 1, f"stopped from outside: {reason}"))
 
-    def post_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         if trainer.stop_reason is not None:
             return
         spiking = trainer.callback(SpikeMonitoring)
@@ -65,7 +63,7 @@ class EarlyStopping(Callback):
         if decision is not None:
             self._decide(trainer, decision)
 
-    def _decide(self, trainer: Trainer, decision: StopDecision) -> None:
+    def _decide(self, trainer: TrainerView, decision: StopDecision) -> None:
         self.decision = decision
         trainer.summary["early_stop"] = decision.to_dict()
         trainer.stop(decision.reason, final=True)
