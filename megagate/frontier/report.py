@@ -7,6 +7,7 @@ and frontier_lr.png with --out); the driver writes it into OUT when the search e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from megagate.errors import MegagateError
 from megagate.files import write_atomic
 from megagate.frontier import state as state_mod
 from megagate.frontier import trials as trials_mod
-from megagate.frontier.rule import HEALTHY, PointStatus, TrialOutcome
+from megagate.frontier.rule import PointStatus, TrialOutcome, best_loss
 from megagate.frontier.search import Bracket, bracket_of, judge, plan_variant
 from megagate.frontier.spec import FrontierSpec
 from megagate.frontier.state import FrontierState
@@ -58,9 +59,7 @@ def variant_results(state: FrontierState) -> list[VariantResult]:
         status, verdicts = judge(outcomes, spec.seeds, spec.rule)
         plan = plan_variant(spec.lo, spec.hi, spec.coarse, spec.resolution, spec.seeds, spec.rule, outcomes)
         result = VariantResult(variant, plan.bracket, plan.phase, plan.notes, status)
-        result.best = min(
-            (o.valid_loss for (lr, s), o in outcomes.items() if verdicts[(lr, s)][0] == HEALTHY), default=None
-        )
+        result.best = best_loss(outcomes.values(), spec.rule)  # the reference of the delta rule
         for name, t in sorted(trials.items(), key=lambda kv: (kv[1].lr, kv[1].seed)):
             v, why = verdicts.get((t.lr, t.seed), ("-", "; ".join(t.history[-1:])))
             o = t.outcome
@@ -133,7 +132,8 @@ class GridResult:
 
 
 def grid_result(folders: Sequence[str | Path], spec: FrontierSpec) -> GridResult:
-    """The frontier's rule applied to a full grid's runs (run folders, or folders of them), variant by variant."""
+    """The frontier's rule applied to a full grid's runs (run folders, or folders of them), variant by variant; their
+    loss spikes are those of this code's monitor replayed over their logged curves (megagate.frontier.trials)."""
     from megagate.analysis.report import find_runs
 
     runs = find_runs(folders)
@@ -148,6 +148,9 @@ def grid_result(folders: Sequence[str | Path], spec: FrontierSpec) -> GridResult
         if lr is None or seed is None or outcome is None:
             spent += trials_mod.last_step(run)
             continue
+        replayed = trials_mod.replayed_loss_spikes(run, warmup)  # judged by the monitor the trials ran with
+        if replayed is not None:
+            outcome = dataclasses.replace(outcome, loss_spikes=replayed)
         spent += outcome.steps
         lrs.add(float(lr))
         outcomes.setdefault(runfiles.gate_label(config), {})[(float(lr), int(seed))] = outcome

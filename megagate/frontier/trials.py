@@ -55,6 +55,27 @@ def read_outcome(run_dir: str | os.PathLike, train_steps: int, warmup_steps: int
     return TrialOutcome(steps, True, None, "", valid, spikes, diverged)
 
 
+def replayed_loss_spikes(run_dir: str | os.PathLike, warmup_steps: int) -> int | None:
+    """Loss spikes after warm-up that this code's spike monitor (with the run's own monitor.spike settings) finds
+    on the run's logged curve — how a grid logged by an older monitor is judged like the frontier's trials. None
+    when the log skips steps (the monitor cannot be replayed)."""
+    from megagate.monitor.spike import SpikeMonitor, SpikeMonitorConfig
+
+    run_dir = Path(run_dir)
+    rows = runfiles.train_metrics(runfiles.read_jsonl(run_dir / runfiles.METRICS))
+    steps = [int(r["step"]) for r in rows]
+    if not rows or steps != list(range(steps[0], steps[0] + len(steps))):
+        return None
+    settings = runfiles.lookup(runfiles.read_config(run_dir), "monitor.spike") or {}
+    monitor = SpikeMonitor(SpikeMonitorConfig.from_dict({**settings, "action": "warn"}))
+    spikes = 0
+    for row, step in zip(rows, steps):
+        metrics = {m: float(row[m]) for m in monitor.config.metrics if row.get(m) is not None}
+        events = monitor.observe(step, metrics)
+        spikes += step > warmup_steps and any(e.metric == "loss" for e in events)
+    return spikes
+
+
 def train_losses(run_dir: Path) -> list[tuple[int, float]]:
     """(step, loss) of the train lines of metrics.jsonl, in step order."""
     rows = runfiles.train_metrics(runfiles.read_jsonl(run_dir / runfiles.METRICS))
