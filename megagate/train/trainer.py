@@ -125,7 +125,7 @@ class Trainer:
         self.step, self.consumed_samples = step, self.consumed_samples + self.cfg.train.global_batch_size
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.summary.update(steps=step, final_loss=loss)
-        return StepOutput(step, loss, grad_norm, lr, time.perf_counter() - start, applied)
+        return StepOutput(step, loss, grad_norm, lr, time.perf_counter() - start, applied, frozenset(update.flags))
 
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:

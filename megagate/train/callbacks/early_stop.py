@@ -16,7 +16,6 @@ from megagate.console import log
 from megagate.monitor import runfiles
 from megagate.monitor.early_stop import EarlyStopConfig, EarlyStopRule, StopDecision
 from megagate.train.callbacks.base import Callback, StepOutput, TrainerView
-from megagate.train.callbacks.monitor import SpikeMonitoring
 
 
 def read_control(path: str) -> str | None:
@@ -30,7 +29,8 @@ def read_control(path: str) -> str | None:
 
 
 class EarlyStopping(Callback):
-    """After SpikeMonitoring (it reads that step's loss events), before LiveDiagnostics (no probe of a stopped run)."""
+    """After SpikeMonitoring (whose loss events it counts: the step's "spike:loss" flag), before LiveDiagnostics (no
+    probe of a stopped run)."""
 
     priority = 65
     state_key = "early_stop"
@@ -57,9 +57,7 @@ class EarlyStopping(Callback):
     def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         if trainer.stop_reason is not None:
             return
-        spiking = trainer.callback(SpikeMonitoring)
-        loss_spike = spiking is not None and any(e.metric == "loss" for e in spiking.step_events)
-        decision = self.rule.observe(output.step, output.loss, loss_spike)
+        decision = self.rule.observe(output.step, output.loss, loss_spike="spike:loss" in output.flags)
         if decision is not None:
             self._decide(trainer, decision)
 

@@ -41,7 +41,6 @@ class SpikeMonitoring(Callback):
     def __init__(self, config: SpikeMonitorConfig) -> None:
         self.monitor = SpikeMonitor(config)
         self.events: EventLog | None = None
-        self.step_events: list = []  # this step's SpikeEvents (EarlyStopping counts the loss spikes)
 
     def on_start(self, trainer: TrainerView) -> None:
         if trainer.logging_rank:
@@ -61,7 +60,8 @@ class SpikeMonitoring(Callback):
     def pre_optim_step(self, trainer: TrainerView, update: Update) -> None:
         step = update.step
         events = self.monitor.observe(step, {"loss": update.loss, "grad_norm": update.grad_norm})
-        self.step_events = events
+        for event in events:  # EarlyStopping counts the loss spikes (StepOutput.flags)
+            update.flag(f"spike:{event.metric}")
         if events and self.events is not None:
             self.events.write(events)
         trainer.summary["spikes"] = self.monitor.num_events
