@@ -72,3 +72,20 @@ def test_bad_frontier_input_is_one_line_and_nothing_runs(case, slurm, tmp_path, 
     assert message.format(work=work) in lines[0], lines[0]
     assert not list(work.rglob("*")), list(work.rglob("*"))  # no state, no trial folder, no script
     assert not recording_sbatch.exists()  # nothing submitted
+
+
+def test_dry_run_prints_round_one_and_writes_nothing(tmp_path, capsys, monkeypatch, recording_sbatch):
+    tmp_path = tmp_path / "work"
+    tmp_path.mkdir()
+    monkeypatch.chdir(tmp_path)
+    argv = f"frontier --config {BASE} --variants baseline,g1-elementwise --lr-range 1e-3:1 --seeds 0,1 --dry-run"
+    assert main([*argv.split(), "--out", str(tmp_path / "fr"), *SLURM.split()]) == 0
+    out = capsys.readouterr().out.splitlines()
+    # T = 60 steps, warm-up 6, window 10: a rung at 30; 15 would average steps 6-15, one of them in the warm-up
+    assert out[0] == "rungs at steps [30]; round 1 (2 trials):"
+    assert out[1].startswith(f"megagate train --config {BASE} train.lr=0.001 model.gate.preset=baseline seed=0 ")
+    assert "monitor.early_stop.margin=1.0" in out[1] and out[1].endswith(
+        f"output.dir={tmp_path}/fr/baseline_lr0.001_s0"
+    )
+    assert "model.gate.preset=g1-elementwise" in out[2] and len(out) == 3
+    assert not list(tmp_path.rglob("*")) and not recording_sbatch.exists()
