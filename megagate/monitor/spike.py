@@ -6,7 +6,7 @@ Detection, per watched metric (the global value after the data-parallel reductio
 * a value above the metric's absolute ceiling (`abs_ceiling`) is an event;
 * before `min_history` accepted values exist (the warm-up, where high-LR runs spike most), a metric with an
   `early_rise` entry is judged from `early_min_history` values on: an event when the value exceeds the median of
-  its accepted values by more than early_rise x |median| (a relative rise: 0.1 = 10 %, about 0.75 nats at the
+  its accepted values by more than early_rise x |median| (a relative rise: 0.2 = 20 %, about 1.5 nats at the
   initial loss of a 2,048-token vocabulary; in log space early_rise itself, a ratio). Too few values for a noise
   scale, so the rule is a floor on the rise, not a z-score;
 * otherwise, once `min_history` accepted values exist, the robust z-score ``(value - center) / scale`` is compared
@@ -69,7 +69,7 @@ class SpikeMonitorConfig:
     metric_thresholds: Mapping[str, float] = field(default_factory=lambda: {"grad_norm": 12.0})
     min_history: int = 20  # accepted values needed before z-scores are computed (NaN/ceiling always checked)
     # the warm-up rule before min_history: metric -> relative rise over the median of the accepted values
-    early_rise: Mapping[str, float] = field(default_factory=lambda: {"loss": 0.1})
+    early_rise: Mapping[str, float] = field(default_factory=lambda: {"loss": 0.2})
     early_min_history: int = 3  # accepted values the warm-up rule needs
     rel_floor: float = 0.01  # scale floor, as a fraction of |median| (plateaus with MAD ≈ 0)
     abs_ceiling: Mapping[str, float] = field(default_factory=dict)  # e.g. {"loss": 20.0, "grad_norm": 1e3}

@@ -44,10 +44,11 @@ def test_settings_parse_onto_the_defaults_and_bad_ones_are_one_line():
 
 def test_replay_flags_the_spike_once_armed():
     assert replay_events(rows(), parse_settings(""), "run") == [50]  # z of a +3 nat rise over ~0.05 noise
-    # before min_history 20: the warm-up rule (a rise of more than 10 % over the median) catches it
+    # before min_history 20: the warm-up rule (a rise of more than 20 % over the median) catches it
     assert replay_events(rows(spike_at=15), parse_settings(""), "run") == [15]
     assert replay_events(rows(spike_at=15), parse_settings("early_rise={}"), "run") == []  # without it: not armed
-    assert replay_events(rows(spike_at=15, height=0.5), parse_settings(""), "run") == []  # +0.5 nats: under 10 %
+    assert replay_events(rows(spike_at=15, height=1.0), parse_settings(""), "run") == []  # +1 nat: under 20 %
+    assert replay_events(rows(spike_at=15, height=1.0), parse_settings("early_rise.loss=0.1"), "run") == [15]
     assert replay_events(rows(spike_at=15), parse_settings("early_rise={},min_history=5"), "run") == [15]
     assert replay_events(rows(spike_at=3), parse_settings(""), "run") == []  # 2 values: too few even for it
     assert replay_events(rows(height=0.2), parse_settings("threshold=1000"), "run") == []
