@@ -170,7 +170,12 @@ def _start(args: argparse.Namespace) -> Path:
     spec = _spec(args)
     backend = _backend(args)
     out = Path(args.out)
-    spec = resolve(spec, out)
+    world = 1
+    if backend["kind"] == "slurm":  # each array task runs nodes x ranks per node
+        from megagate.frontier.slurm import request_from
+
+        world = request_from(backend).world_size
+    spec = resolve(spec, out, world)
     if backend["kind"] == "slurm" and not args.dry_run:
         from megagate.frontier.slurm import check_sbatch
 

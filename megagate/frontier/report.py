@@ -83,18 +83,23 @@ def variant_results(state: FrontierState) -> list[VariantResult]:
 
 
 def ordering(brackets: dict[str, Bracket]) -> str:
-    """Variants by their frontier, largest first ('>=' for a frontier at or above the range)."""
+    """Variants by their frontier, largest first ('>=' for a frontier at or above the range); variants with the same
+    bracket are joined by '='."""
 
-    def key(item: tuple[str, Bracket]) -> float:
-        b = item[1]
-        return math.inf if b.healthy is not None and b.unhealthy is None else (b.healthy or 0.0)
+    def key(b: Bracket) -> tuple[float, float]:
+        top = math.inf if b.unhealthy is None else b.unhealthy
+        return (math.inf if b.healthy is not None and b.unhealthy is None else (b.healthy or 0.0), top)
 
+    groups: dict[tuple[float, float], list[str]] = {}
+    for variant, b in brackets.items():
+        groups.setdefault(key(b), []).append(variant)
     parts = []
-    for variant, b in sorted(brackets.items(), key=key, reverse=True):
+    for k in sorted(groups, reverse=True):
+        names, b = " = ".join(groups[k]), brackets[groups[k][0]]
         if b.healthy is None:
-            parts.append(f"{variant} (< {b.unhealthy:.3g})" if b.unhealthy else f"{variant} (-)")
+            parts.append(f"{names} (< {b.unhealthy:.3g})" if b.unhealthy else f"{names} (-)")
         else:
-            parts.append(f"{variant} ({'>= ' if b.unhealthy is None else ''}{b.healthy:.3g})")
+            parts.append(f"{names} ({'>= ' if b.unhealthy is None else ''}{b.healthy:.3g})")
     return " > ".join(parts)
 
 

@@ -159,8 +159,8 @@ def validate(spec: FrontierSpec) -> None:
             raise ConfigError(f"override {o!r}: {key} is set per trial by the frontier search")
 
 
-def resolve(spec: FrontierSpec, out_dir: str | Path) -> FrontierSpec:
-    """Read the config as every trial will (the trainer's loader and layout check on one process) and fill in
+def resolve(spec: FrontierSpec, out_dir: str | Path, world_size: int = 1) -> FrontierSpec:
+    """Read the config as every trial will (the trainer's loader and layout check on `world_size` ranks) and fill in
     train_steps and warmup_steps; refuse a config under which no trial could ever be healthy."""
     from megagate import config_reader, run_config
     from megagate.yamlfile import load_mapping
@@ -173,7 +173,7 @@ def resolve(spec: FrontierSpec, out_dir: str | Path) -> FrontierSpec:
             overrides = spec.trial_overrides(variant, lr, spec.seeds[0], Path(out_dir) / name)
             try:
                 cfg = config_reader.load(spec.config, overrides)
-                run_config.layout(cfg, 1)
+                run_config.layout(cfg, world_size)
             except ConfigError as exc:
                 raise ConfigError(f"frontier trial {name}: {exc}") from None
     t = cfg.train

@@ -89,3 +89,20 @@ def test_dry_run_prints_round_one_and_writes_nothing(tmp_path, capsys, monkeypat
     )
     assert "model.gate.preset=g1-elementwise" in out[2] and len(out) == 3
     assert not list(tmp_path.rglob("*")) and not recording_sbatch.exists()
+
+
+def test_slurm_trials_are_checked_on_the_arrays_world_size(tmp_path, capsys, monkeypatch, recording_sbatch):
+    """A trial's layout is checked on the ranks one array task will have (nodes x tasks per node), not on one:
+    tensor parallel 2 is refused locally and accepted on two ranks per task."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    argv = f"frontier --config {BASE} --variants baseline --lr-range 1e-3:1 --out {work}/fr --dry-run"
+    tp2 = "parallel.tensor_model_parallel_size=2"
+    assert main([*argv.split(), tp2]) == 2
+    assert "world size 1 is not divisible by TP (2)" in capsys.readouterr().err
+    slurm = SLURM.replace("--tasks-per-node 1", "--tasks-per-node 2")
+    assert main([*argv.split(), *slurm.split(), tp2]) == 0, capsys.readouterr().err
+    trial = capsys.readouterr().out.splitlines()[1]
+    assert f" {tp2} train.lr=0.001 " in trial and trial.endswith(f"output.dir={work}/fr/baseline_lr0.001_s0")
+    assert not list(work.rglob("*")) and not recording_sbatch.exists()

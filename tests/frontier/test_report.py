@@ -128,6 +128,7 @@ def test_ordering_and_pairs_the_grid_cannot_separate():
     agree, ties = same_order(grid, front)
     assert agree and ties == ["x/y"]
     assert ordering(front) == "w (>= 1) > z (0.178) > x (0.0562) > y (0.0316)"
+    assert ordering(grid) == "w (>= 1) > z (0.1) > x = y (0.03)"
     assert not same_order(grid, {**front, "z": Bracket(0.01, 0.0316)})[0]
     assert math.isinf(float("inf"))
 
