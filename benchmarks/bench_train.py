@@ -68,6 +68,7 @@ def build(variant: str, model_overrides: list[str], out: str, data_dir: str):
     from megatron.core import parallel_state
 
     from megagate import config_reader
+    from megagate.run_setup import resolve
     from megagate.train import components
     from megagate.train.trainer import Trainer
 
@@ -81,8 +82,8 @@ def build(variant: str, model_overrides: list[str], out: str, data_dir: str):
     cfg = config_reader.load(CONFIG, overrides)
     parallel_state.destroy_model_parallel()
     with quiet_stdout():
-        parts = components.build_components(cfg, 1)
-    return Trainer(cfg, parts, callbacks=[]), components.loader(cfg, parts.train_data, 0)
+        parts = components.build_components(resolve(cfg, 1))
+    return Trainer(parts, callbacks=[]), components.loader(cfg, parts.train_data, 0)
 
 
 def timed_step(trainer, data) -> float:
@@ -162,15 +163,12 @@ def main() -> int:
     if args.rounds * args.steps_per_round < 2:
         parser.error("need at least 2 timed steps per variant (--rounds x --steps-per-round) for quartiles")
 
-    import warnings
-
     import torch
 
-    from megagate.cli import _quiet_optional_dependency_notices
+    from megagate import console
     from megagate.distributed import parallel
 
-    _quiet_optional_dependency_notices()
-    warnings.filterwarnings("ignore", category=UserWarning)  # megatron's deprecation notices, once per model built
+    console.install()  # the CLI's console: megatron's known notices (once per model built) filtered
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as stack:
         with quiet_stdout():

@@ -1,5 +1,7 @@
 """The one reader of a training config: YAML + `key=value` overrides → parsed tree (`run_config.parse`) → the rules
-of any machine (`config_rules.check_rules`) → the checks of this machine (`check_machine`).
+of any machine (`config_rules.check_rules`) → what it needs of this machine's libraries and files
+(`check_environment`). The perf rules of the real GPU are judged where the settings are resolved for it
+(`megagate.run_setup.resolve`).
 
 `train` (and its --dry-run), `submit`, `sweep`, `analyze`, `eval`, `export` and `import` all read through `load` /
 `from_dict`. `environment=False` skips the machine checks: for a config judged away from where it runs (a
@@ -16,8 +18,6 @@ import yaml
 
 from megagate.config_rules import check_rules
 from megagate.errors import ConfigError, MegagateError
-from megagate.machine import Machine
-from megagate.perf import check_perf
 from megagate.run_config import TrainConfig, parse
 from megagate.yamlfile import load_mapping
 
@@ -59,16 +59,16 @@ def load(path: str, overrides: list[str] | None = None, *, environment: bool = T
 
 
 def validate(cfg: TrainConfig, *, environment: bool = True) -> None:
-    """The rules of any machine, then (`environment`) the checks of this one (`Machine.detect()`)."""
+    """The rules of any machine, then (`environment`) what the config needs of this one."""
     check_rules(cfg)
     if environment:
-        check_machine(cfg, Machine.detect())
+        check_environment(cfg)
 
 
-def check_machine(cfg: TrainConfig, machine: Machine) -> None:
-    """What a config needs of the machine it runs on: Transformer Engine for fp8 / backend te, the perf rules of its
-    GPU (a CPU switches off what it cannot run: nothing to refuse there), the data and tokenizer files on disk and
-    intact, output/checkpoint/cache folders usable, the data cache intact."""
+def check_environment(cfg: TrainConfig) -> None:
+    """What a config needs of the machine it runs on: Transformer Engine for fp8 / backend te, the data and tokenizer
+    files on disk and intact, output/checkpoint/cache folders usable, the data cache intact. The perf rules of its
+    GPU are judged where its settings are resolved for it, once (`megagate.run_setup.resolve`)."""
     t, d = cfg.train, cfg.data
     if t.precision == "fp8":
         from megagate.model.kernels import transformer_engine_available
@@ -81,8 +81,6 @@ def check_machine(cfg: TrainConfig, machine: Machine) -> None:
         from megagate.model.kernels import check_backend
 
         check_backend("te")
-    if machine.gpu:
-        check_perf(cfg, machine)
     if d.blend and not d.mock:
         from megagate.data.indexed import strip_suffix
         from megagate.data.indexed import validate as validate_files

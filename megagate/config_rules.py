@@ -3,7 +3,7 @@ looked at. The perf and FP8 rules are judged for the GPU node the config is writ
 
 `check_rules(cfg)` raises the first broken rule as a one-line `ConfigError` naming the key, the value and what is
 allowed. What depends on the machine a config is judged on (libraries, GPUs, files, folders) is
-`megagate.config_reader.check_machine`; the reader applies both.
+`megagate.config_reader.check_environment` and `megagate.run_setup.resolve` (the perf rules of the real GPU).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from megagate.distributed import layout as layout_rules
 from megagate.errors import ConfigError
 from megagate.machine import Machine
 from megagate.model.qkv_layout import check_tensor_parallel
-from megagate.perf import check_perf
+from megagate.perf import check_perf, resolve_perf
 from megagate.run_config import (
     BACKENDS,
     FP8_RECIPES,
@@ -64,7 +64,7 @@ def check_rules(cfg: TrainConfig) -> None:
             f"parallel.context_parallel_size={p.context_parallel_size} needs Transformer Engine's attention: "
             "set train.backend=te (megatron's local attention has no context parallelism)"
         )
-    check_perf(cfg, Machine.target(cfg))  # the rules of the GPU the config is written for, judged anywhere
+    check_perf(cfg, resolve_perf(cfg, Machine.target(cfg)))  # the rules of the GPU it is written for, anywhere
     d = cfg.data
     if not (d.mock or d.demo or d.blend):
         raise ConfigError("data: give data.blend (dataset prefixes), or data.mock=true, or data.demo=true")
@@ -72,6 +72,8 @@ def check_rules(cfg: TrainConfig) -> None:
         raise ConfigError("data.tokenizer is required with data.blend (the tokenizer the data was preprocessed with)")
     if cfg.checkpoint.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
+    if cfg.checkpoint.async_check_interval < 1:
+        raise ConfigError(f"checkpoint.async_check_interval={cfg.checkpoint.async_check_interval} must be >= 1 (steps)")
 
 
 def _check_optimizer(t: TrainSection) -> None:

@@ -1,14 +1,18 @@
 """Where checkpoints are and what they are called: `iter_NNNNNNN` folders under a checkpoint root, the complete ones
-(with a manifest), the newest, the one a user names, and the megagate metadata each holds."""
+(with a manifest), the newest, the one a user names, and the megagate metadata each holds (megagate.json, with the
+model's `architecture`: what a resume, an init_from or an import must match)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from megagate.errors import MegagateError
+from megagate.run_config import TrainConfig
 
 _NAME = re.compile(r"^iter_(\d{7})$")
 META = "megagate.json"
@@ -67,3 +71,31 @@ def read_meta(path: str | os.PathLike) -> dict:
     if not isinstance(data, dict):
         raise MegagateError(f"checkpoint {str(path)!r}: {META} is not a JSON object")
     return data
+
+
+# Fields of ModelConfig that define the weights (their shapes or their meaning); the others (init, rotary base,
+# maximum length, MoE loss coefficients) may change between launches.
+ARCHITECTURE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "head_dim",
+    "vocab_size",
+    "tie_embeddings",
+    "qk_layernorm",
+    "normalization",
+    "num_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+)
+
+
+def architecture(cfg: TrainConfig) -> dict[str, Any]:
+    """What defines the model's weights, as stored in a checkpoint (flat keys named like the config's)."""
+    m = cfg.model
+    arch: dict[str, Any] = {f"model.{name}": getattr(m, name) for name in ARCHITECTURE_FIELDS}
+    arch["model.ffn_hidden_size (built)"] = m.effective_ffn_hidden_size
+    for f in dataclasses.fields(m.gate):
+        arch[f"model.gate.{f.name}"] = getattr(m.gate, f.name)
+    return arch

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -20,12 +19,13 @@ def transformer_config(
     perform_initialization: bool = True,
     **extra: Any,
 ) -> TransformerConfig:  # noqa: F821
-    """megatron's TransformerConfig for `model` under `parallel` (CPU-safe fusions off when CUDA is absent).
+    """megatron's TransformerConfig for `model` under `parallel`.
 
-    `extra` wins over everything set here: the trainer passes its precision (FP8 recipe) and the perf settings in
-    force on its device (megagate.train.components.model_transformer_config, from the config's `perf:` section).
-    Without them (evaluation, the planner's parameter counts) the model is built as megatron's defaults build it:
-    SequentialMLP experts, no fusions; the parameters are the same.
+    `extra` wins over everything set here: a run passes its precision (FP8 recipe) and the perf settings in force
+    on its machine (`megagate.run_setup.RunSetup.transformer_kwargs`, from the config's `perf:` section: the one
+    place that decides them, CPU switch-offs included). Without them (tests, the planner's parameter counts) the
+    model is built as megatron's defaults build it: SequentialMLP experts, no fusions; the parameters are the same.
+    `use_cpu` (default: no CUDA here) initialises on the CPU and sends pipeline messages one by one.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -43,9 +43,6 @@ def transformer_config(
             # softmax over all experts before top-k (no renormalisation) when the top-k probabilities are not
             # normalised; megatron's default softmax over the top-k logits otherwise
             moe_router_pre_softmax=not model.moe_router_norm_topk,
-            # alltoall needs CUDA streams; allgather is exact and works over gloo (perf: overrides both)
-            moe_token_dispatcher_type="allgather" if cpu else "alltoall",
-            moe_grouped_gemm=False,
         )
     kwargs: dict[str, Any] = dict(
         num_layers=model.num_layers,
@@ -78,17 +75,9 @@ def transformer_config(
         **moe,
     )
     if cpu:
-        kwargs.update(
-            bias_dropout_fusion=False,
-            masked_softmax_fusion=False,
-            persist_layer_norm=False,
-            apply_rope_fusion=False,
-            gradient_accumulation_fusion=False,
-            bias_activation_fusion=False,
-            # gloo pairs batched isend/irecv out of order under the interleaved (VPP) schedule: the micro-batches
-            # after the first group got another micro-batch's activations (measured); single p2p ops stay ordered
-            batch_p2p_comm=False,
-        )
+        # gloo pairs batched isend/irecv out of order under the interleaved (VPP) schedule: the micro-batches after
+        # the first group got another micro-batch's activations (measured); single p2p ops stay ordered
+        kwargs.update(batch_p2p_comm=False)
     if model.recompute_granularity is not None:
         kwargs.update(
             recompute_granularity=model.recompute_granularity,
@@ -126,6 +115,7 @@ def build_gpt_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from megagate.model.rotary import fit_rotary
     from megagate.model.spec import gated_decoder_block_spec
 
     block = gated_decoder_block_spec(
@@ -136,7 +126,7 @@ def build_gpt_model(
         tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         core_attention=core_attention,
     )
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=block,
         vocab_size=model.vocab_size,
@@ -148,10 +138,11 @@ def build_gpt_model(
         rotary_base=model.rotary_base,
         rotary_percent=model.rotary_percent,
         seq_len_interpolation_factor=model.rotary_interpolation_factor,
-        rope_scaling=model.rope_scaling,
-        rope_scaling_factor=model.rope_scaling_factor,
+        rope_scaling=False,  # Llama-3 scaling with the model's own original context: fit_rotary
         vp_stage=vp_stage,
     )
+    fit_rotary(gpt, model, config)
+    return gpt
 
 
 def meta_parameter_count(model: ModelConfig) -> int:
@@ -163,12 +154,3 @@ def meta_parameter_count(model: ModelConfig) -> int:
     with torch.device("meta"):
         gpt = build_gpt_model(model, config)
     return sum(p.numel() for p in gpt.parameters())
-
-
-class _DropGPTModelDeprecation(logging.Filter):
-    # megatron 0.19 logs a deprecation warning for every GPTModel it builds; it stays the GPT path here.
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "GPTModel IS DEPRECATED" not in record.getMessage()
-
-
-logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_DropGPTModelDeprecation())

@@ -7,7 +7,7 @@
   megatron's TP attributes, `sequence_parallel` marks), and nothing else;
 * counting: `gate_parameter_count` (here) is the sum over the table (and so the dense models' FFN
   matching and `megagate variants`);
-* initialisation: `megagate.train.init` gives each gate parameter the table's rule (zeros / ones / normal);
+* initialisation: `megagate.model.init` gives each gate parameter the table's rule (zeros / ones / normal);
 * checkpointing: `GatedSelfAttention.sharded_state_dict` splits the TP-sharded entries along their axis.
 
 Pure arithmetic on shapes: no megatron, no tensors.

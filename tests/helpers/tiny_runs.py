@@ -26,11 +26,32 @@ BASE = [
 ]
 
 
+# Multi-process runs compare their ranks in windows of 4 steps (the default, 20, never ends a window in these short
+# runs) and must report no straggler: no false positives (tests/train/test_stragglers.py has the true one).
+STRAGGLER = ["straggler.interval=4", "straggler.windows=2"]
+
+
+def no_stragglers(out: Path) -> None:
+    """Fail if the run at `out` reported a straggler (health.jsonl)."""
+    from megagate.health import channel
+
+    reports = channel.read_events(out, "straggler")
+    assert reports == [], f"{out}: straggler reported in a run without a slow rank: {reports}"
+
+
 def run_train(
-    out: Path, demo_dir: Path, *overrides: str, nproc: int = 1, check: bool = True, timeout: int = 600
+    out: Path,
+    demo_dir: Path,
+    *overrides: str,
+    nproc: int = 1,
+    check: bool = True,
+    timeout: int = 600,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run the trainer on the tiny config; nproc > 1 uses torchrun (standalone, gloo)."""
-    args = ["--config", str(CONFIG), *BASE, f"data.demo_dir={demo_dir}", f"output.dir={out}", *overrides]
+    """Run the trainer on the tiny config; nproc > 1 uses torchrun (standalone, gloo) and checks that no straggler
+    was reported; `env` adds variables."""
+    window = STRAGGLER if nproc > 1 else []
+    args = ["--config", str(CONFIG), *BASE, *window, f"data.demo_dir={demo_dir}", f"output.dir={out}", *overrides]
     if nproc == 1:
         cmd = [sys.executable, "-m", "megagate", "train", *args]
     else:
@@ -45,12 +66,14 @@ def run_train(
             "train",
             *args,
         ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         )
+    if check and nproc > 1:
+        no_stragglers(out)
     return proc
 
 
@@ -72,3 +95,9 @@ def checkpoint_tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
     dcp_to_torch_save(str(path), str(target))
     state = torch.load(target, weights_only=False)
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and not k.startswith("optimizer")}
+
+
+def foreign_console_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    """What a run printed that megagate did not: every stderr line (a clean run writes nothing there; megagate's
+    warnings and errors do) and the native libraries' stdout lines (gloo's connection counts)."""
+    return proc.stderr.splitlines() + [line for line in proc.stdout.splitlines() if line.startswith("[Gloo]")]

@@ -230,13 +230,14 @@ def _run_one(job: dict) -> tuple[int, str]:
         return cli.main(["train", *job["argv"]]), ""
     from megagate import config_reader
     from megagate.distributed import parallel
+    from megagate.run_setup import resolve
     from megagate.train.trainer import train
 
     cfg = config_reader.load(job["argv"][1], job["argv"][2:])
     out = Path(job["dir"])
     parallel.init_distributed(0, 1, str(out / "rendezvous"), backend="gloo")
     try:
-        train(cfg, 1, extra_callbacks=_test_callbacks(job, out))
+        train(resolve(cfg, 1), extra_callbacks=_test_callbacks(job, out))
         return 0, ""
     except MegagateError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -68,8 +68,8 @@ def saved_model_tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
 
 def test_load_model_for_analysis_has_the_trained_weights(trained: Path, megatron_world, tmp_path: Path) -> None:
     from megagate.analysis.analyze import SAMPLE_TEXT
+    from megagate.commands.analyze import load_model_for_analysis
     from megagate.data.tokenizer import load_tokenizer
-    from megagate.train.load import load_model_for_analysis
 
     model, encode = load_model_for_analysis(trained)
     assert not model.training
@@ -127,9 +127,9 @@ def test_analysis_reproduces_the_live_diagnostics(trained: Path, megatron_world)
 
     from megagate import checkpoint as ckpt
     from megagate import config_reader, run_config
+    from megagate.commands.analyze import load_model_for_analysis
     from megagate.monitor import diagnostics
     from megagate.train import components
-    from megagate.train.load import load_model_for_analysis
 
     model, _ = load_model_for_analysis(trained)
     cfg = config_reader.from_dict(ckpt.read_meta(trained)["config"])
@@ -146,8 +146,8 @@ def test_analysis_reproduces_the_live_diagnostics(trained: Path, megatron_world)
 
 
 def test_analyze_rejects_a_folder_without_checkpoint(tmp_path: Path) -> None:
+    from megagate.commands.analyze import load_model_for_analysis
     from megagate.errors import MegagateError
-    from megagate.train.load import load_model_for_analysis
 
     with pytest.raises(MegagateError, match="megagate.json"):
         load_model_for_analysis(tmp_path)

@@ -103,7 +103,7 @@ def closure(module: str) -> set[str]:
 @pytest.mark.parametrize(
     "module",
     [
-        "megagate.train.load",
+        "megagate.model_factory",
         "megagate.commands.analyze",
         "megagate.analysis.analyze",
         "megagate.analysis.report",
@@ -131,6 +131,7 @@ def test_callbacks_reach_the_trainer_only_through_the_hooks() -> None:
 
 def test_callback_order_is_declared_by_priority() -> None:
     from megagate import config_reader
+    from megagate.run_setup import resolve
     from megagate.train.callbacks import Callback, default_callbacks
     from megagate.train.callbacks.base import in_priority_order
 
@@ -143,7 +144,7 @@ def test_callback_order_is_declared_by_priority() -> None:
     class Mine(Callback):
         pass
 
-    given = [Mine(), *reversed(default_callbacks(cfg))]  # list position no longer matters
+    given = [Mine(), *reversed(default_callbacks(resolve(cfg, 1)))]  # list position no longer matters
     order = [type(cb).__name__ for cb in in_priority_order(given)]
     assert order == [
         "StopChecks",
@@ -151,6 +152,7 @@ def test_callback_order_is_declared_by_priority() -> None:
         "FaultInjection",
         "SpikeMonitoring",
         "LiveDiagnostics",
+        "StragglerReport",
         "ManualGC",
         "Profiling",
         "Evaluation",

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from megagate import checkpoint as ckpt
 from megagate import config_reader, run_config
 from megagate.errors import MegagateError
 from megagate.train import resume
@@ -25,7 +26,7 @@ def meta_of(c: run_config.TrainConfig, step: int = 6, consumed: int = 48, **extr
     return {
         "step": step,
         "consumed_samples": consumed,
-        "architecture": resume.architecture(c),
+        "architecture": ckpt.architecture(c),
         "data_order": resume.data_order(c, None),
         "schedule": resume.schedule(c),
         "layout": {"tp": 1, "pp": 1, "ep": 1, "dp": 1, "cp": 1, "vpp": None},

@@ -6,34 +6,40 @@ cadence.py   StopChecks (signals, wall time, exit_after_steps), Evaluation, Chec
 monitor.py   FaultInjection, SpikeMonitoring (skip / rollback / lr_backoff / abort), LiveDiagnostics
 early_stop.py EarlyStopping (monitor.early_stop: end a decided run with its reason)
 profiling.py ManualGC, Profiling (the perf section: perf.manual_gc_interval, perf.profile)
+health.py    StragglerReport (the straggler section; the hang watchdog runs beside the trainer: megagate.health)
 """
 
 from __future__ import annotations
 
-from megagate.run_config import TrainConfig
+from megagate.run_setup import RunSetup
 from megagate.train.callbacks.base import Callback
 from megagate.train.callbacks.cadence import Checkpointing, Evaluation, StopChecks, evaluate
 from megagate.train.callbacks.early_stop import EarlyStopping
+from megagate.train.callbacks.health import StragglerReport
 from megagate.train.callbacks.metrics import MetricsLogger, RunSummary
 from megagate.train.callbacks.monitor import FaultInjection, LiveDiagnostics, SpikeMonitoring
 from megagate.train.callbacks.profiling import ManualGC, Profiling, perf_callbacks
 
 
-def default_callbacks(cfg: TrainConfig) -> list[Callback]:
-    """The callbacks of `megagate train` for `cfg`. Their order is each class's `priority` (the trainer sorts):
+def default_callbacks(setup: RunSetup) -> list[Callback]:
+    """The callbacks of `megagate train` for a run set-up. Their order is each class's `priority` (the trainer sorts):
     StopChecks 100, MetricsLogger 90, FaultInjection 80, SpikeMonitoring 70, EarlyStopping 65, LiveDiagnostics 60,
-    ManualGC 50, Profiling 40, Evaluation 30, Checkpointing 20, RunSummary 10; each class says why in its docstring."""
+    StragglerReport 55, ManualGC 50, Profiling 40, Evaluation 30, Checkpointing 20, RunSummary 10; each class says why
+    in its docstring."""
+    cfg = setup.cfg
     m = cfg.monitor
     callbacks: list[Callback] = [StopChecks(), MetricsLogger()]
     if m.faults:
-        callbacks.append(FaultInjection(m.faults))
+        callbacks.append(FaultInjection(m.faults, cfg.output.dir))
     if m.spike.enabled:
         callbacks.append(SpikeMonitoring(m.spike))
     if m.early_stop.enabled:  # after the spike monitor: it counts that step's loss spikes
         callbacks.append(EarlyStopping(m.early_stop, cfg.train.warmup_steps))
     if m.diagnostics.interval:
         callbacks.append(LiveDiagnostics(m.diagnostics.interval))
-    return callbacks + perf_callbacks(cfg) + [Evaluation(), Checkpointing(), RunSummary()]
+    if cfg.straggler.enabled:
+        callbacks.append(StragglerReport(cfg.straggler))
+    return callbacks + perf_callbacks(setup) + [Evaluation(), Checkpointing(), RunSummary()]
 
 
 __all__ = [
@@ -49,6 +55,7 @@ __all__ = [
     "RunSummary",
     "SpikeMonitoring",
     "StopChecks",
+    "StragglerReport",
     "default_callbacks",
     "evaluate",
 ]

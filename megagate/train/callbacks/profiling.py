@@ -18,7 +18,8 @@ import torch
 
 from megagate.distributed.utils import get_rank
 from megagate.files import atomic_path
-from megagate.run_config import ProfileSection, TrainConfig
+from megagate.run_config import ProfileSection
+from megagate.run_setup import RunSetup
 from megagate.train.callbacks.base import Callback, StepOutput, TrainerView
 
 STEP_RANGE = "megagate.step#{}"  # the record_function name of one profiled step
@@ -116,12 +117,9 @@ class Profiling(Callback):
             profiler.export_chrome_trace(str(tmp))
 
 
-def perf_callbacks(cfg: TrainConfig) -> list[Callback]:
-    """The callbacks the perf section asks for on this machine."""
-    from megagate.machine import Machine
-    from megagate.perf import resolve_perf
-
-    perf = resolve_perf(cfg, Machine.detect())
+def perf_callbacks(setup: RunSetup) -> list[Callback]:
+    """The callbacks the perf section asks for on the run's machine (its resolved settings)."""
+    cfg, perf = setup.cfg, setup.perf
     callbacks: list[Callback] = []
     if perf.manual_gc_interval:
         callbacks.append(ManualGC(perf.manual_gc_interval))
