@@ -5,7 +5,7 @@ before (no warm-up rule: `early_rise={}`) and after (the defaults), plus any oth
     .venv/bin/python tests/monitor/measure_warmup_rule.py RUN_FOLDER... [--settings "early_rise.loss=0.05" ...]
 
 The folders are those of docs/science.md's study (runs/science/qk-off, runs/science/qk-on: every step logged).
-Curve spikes are megagate report's (megagate.monitor.aggregate.curve_spikes); "warm-up" means first step <= 20 (the
+Curve spikes are megagate report's (megagate.analysis.aggregate.curve_spikes); "warm-up" means first step <= 20 (the
 defaults' min_history: where the monitor had no rule before).
 """
 

@@ -80,3 +80,29 @@ def test_report_command_replays(tmp_path, capsys):
     assert record["runs"][0]["event_steps"] == [25]
     assert main(["report", str(tmp_path / "sweep"), "--replay-monitor", "action=skip"]) == 2
     assert "only warn replays exactly" in capsys.readouterr().err
+
+
+def test_the_warmup_rule_measurement_counts_recall_before_and_after(tmp_path, monkeypatch):
+    """tests/monitor/measure_warmup_rule.py (docs/monitoring.md §1.3) on two logged runs: a spike in the warm-up
+    (step 12) is missed without the warm-up rule and caught with the defaults; the later one (step 50) by both."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).with_name("measure_warmup_rule.py")
+    spec = importlib.util.spec_from_file_location("measure_warmup_rule", path)
+    measure = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, measure)  # its dataclass looks its module up there
+    spec.loader.exec_module(measure)
+    for spike_at in (12, 50):
+        run = tmp_path / "sweep" / f"baseline_lr1_s{spike_at}"
+        run.mkdir(parents=True)
+        write_atomic(
+            run / runfiles.CONFIG, f"seed: {spike_at}\ntrain: {{lr: 1.0}}\nmodel: {{gate: {{preset: baseline}}}}\n"
+        )
+        for r in rows(spike_at=spike_at):
+            runfiles.write_metrics(run, r["step"], "train", loss=r["loss"], grad_norm=r["grad_norm"], lr=1.0)
+    text = measure.main([str(tmp_path / "sweep")]).splitlines()
+    assert text[0] == f"2 runs under {tmp_path / 'sweep'}"
+    assert text[3] == "| before (no warm-up rule) | 1 of 2 | 0 of 1 | 1 of 1 | 0 | 1 |", text
+    assert text[4] == "| after (defaults) | 2 of 2 | 1 of 1 | 1 of 1 | 0 | 2 |", text
