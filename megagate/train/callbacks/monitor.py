@@ -42,10 +42,12 @@ class SpikeMonitoring(Callback):
     state_key = "monitor"
     DECIDING = ("skip", "rollback", "lr_backoff", "abort")  # actions that change the update: judged before it
 
-    def __init__(self, config: SpikeMonitorConfig) -> None:
+    def __init__(self, config: SpikeMonitorConfig, flag_steps: bool = False) -> None:
         self.monitor = SpikeMonitor(config)
         self.events: EventLog | None = None
-        self.deciding = config.action in self.DECIDING
+        # judged before the update (one host read per step): an action that decides, or a callback after this one
+        # that needs each step's flags as it trains (EarlyStopping counts the loss spikes)
+        self.deciding = config.action in self.DECIDING or flag_steps
         self._summary: dict[str, Any] | None = None
 
     def on_start(self, trainer: TrainerView) -> None:
@@ -81,6 +83,8 @@ class SpikeMonitoring(Callback):
             return
         step = update.step
         events = self.monitor.observe(step, {"loss": update.loss, "grad_norm": update.grad_norm})  # the step's read
+        for event in events:  # EarlyStopping counts the loss spikes (StepOutput.flags)
+            update.flag(f"spike:{event.metric}")
         self._record(events)
         update.scale_lr(self.monitor.lr_scale(step))  # 1 outside a backoff window
         action = worst_action(events)
