@@ -50,5 +50,6 @@ def test_one_round_end_to_end() -> None:
     cmd += ["--configs", "dense baseline s128 mbs4"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=880)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "round 1: calibrated in" in proc.stdout and "dense baseline s128 mbs4   predicted" in proc.stdout
-    assert "of 1 configurations within 20 %" in proc.stdout
+    out = proc.stdout
+    assert "round 1: calibrated in" in out and "dense baseline s128 mbs4   predicted" in out, out
+    assert "of 1 configurations within 20 %" in out, out

@@ -84,3 +84,20 @@ def test_calibrate_writes_a_profile_plan_reads(tmp_path) -> None:
     assert planned.returncode == 0, planned.stderr
     step = json.loads(planned.stdout)["time"]["step_s"]
     assert 1e-3 < step < 60  # a tiny model's step on a CPU: milliseconds to seconds
+
+
+def test_gemm_timings_that_do_not_grow_with_the_work_are_one_line(monkeypatch) -> None:
+    """On a busy machine the GEMM timings can shrink as the work grows: no curve with a positive rate fits, and
+    calibrate says so in one line (a MegagateError, exit 2) rather than a traceback."""
+    from megagate.calibrate import core, measure
+    from megagate.errors import MegagateError
+
+    monkeypatch.setattr(measure, "bandwidth", lambda seconds: (1e10, 0.0, 0))
+    shapes = [(m, 256, 256) for m in (4, 64, 1024)]
+    # the larger the GEMM, the shorter its time: noise, not a device
+    monkeypatch.setattr(
+        measure, "gemm_samples", lambda dt, seconds: [(*s, 1e-3 / (i + 1)) for i, s in enumerate(shapes)]
+    )
+    with pytest.raises(MegagateError, match=r"the fp32 GEMM timings of 3 shapes do not grow with their work") as e:
+        core.calibrate(5.0, ranks=1, log=lambda line: None)
+    assert "\n" not in str(e.value) and "--budget-s" in str(e.value)
