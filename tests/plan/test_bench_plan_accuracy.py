@@ -46,7 +46,7 @@ def test_a_failing_subprocess_names_its_error(bench) -> None:
 @pytest.mark.slow
 def test_one_round_end_to_end() -> None:
     """A calibration (small budget), one real `megagate train` and its plan: the row and the summary print."""
-    cmd = [sys.executable, str(BENCH), "--rounds", "1", "--steps", "5", "--warmup", "2", "--budget-s", "20"]
+    cmd = [sys.executable, str(BENCH), "--rounds", "1", "--steps", "8", "--warmup", "2", "--budget-s", "20"]
     cmd += ["--configs", "dense baseline s128 mbs4"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=880)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
