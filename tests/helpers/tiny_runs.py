@@ -1,14 +1,15 @@
-"""Helpers for trainer tests: launch `megagate train` (one process or torchrun), read metrics and checkpoints."""
+"""Helpers for trainer tests: run `megagate train` (one process or several ranks), read metrics and checkpoints."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
+
+from helpers import forked
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "tiny_cpu.yaml"
@@ -29,27 +30,15 @@ BASE = [
 def run_train(
     out: Path, demo_dir: Path, *overrides: str, nproc: int = 1, check: bool = True, timeout: int = 600
 ) -> subprocess.CompletedProcess:
-    """Run the trainer on the tiny config; nproc > 1 uses torchrun (standalone, gloo)."""
+    """Run `megagate train` on the tiny config in forked children of the preloaded server (helpers.forked): one
+    process, or nproc ranks with torchrun's variables (gloo)."""
     args = ["--config", str(CONFIG), *BASE, f"data.demo_dir={demo_dir}", f"output.dir={out}", *overrides]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "megagate", "train", *args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            "megagate",
-            "train",
-            *args,
-        ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = forked.run_cli(["train", *args], env=env, nproc=nproc, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+            f"megagate train {' '.join(args)} ({nproc} process(es)) failed ({proc.returncode}):\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         )
     return proc
 

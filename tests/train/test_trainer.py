@@ -20,16 +20,14 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("demo-data")
+def demo_dir(session_demo_dir):
+    return session_demo_dir
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, demo_dir):
-    """The uninterrupted single-process run every other run is compared with."""
-    out = tmp_path_factory.mktemp("reference")
-    T.run_train(out, demo_dir)
-    return out
+def reference(reference_run):
+    """The uninterrupted single-process run every other run is compared with (conftest's, shared by the session)."""
+    return reference_run
 
 
 def test_loss_decreases_and_run_files(reference):
