@@ -62,7 +62,7 @@ def _layers(kernels: tuple[str, ...]):
 
     from megagate.model import gate as gates
     from megagate.model.build import transformer_config
-    from megagate.model.config import model_preset
+    from megagate.model.presets import model_preset
     from megagate.model.spec import gated_layer_spec
 
     model = model_preset("tiny", gate=gates.preset("g1-elementwise"), num_layers=1, **SHAPE)

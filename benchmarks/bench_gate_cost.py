@@ -58,17 +58,20 @@ def build_pair(seq: int = 256, batch: int = 4, seed: int = 0, variant: str = "g1
 
     from megagate.model import gate as gates
     from megagate.model import qkv_layout
-    from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.model.config import model_preset
+    from megagate.model.presets import model_preset
     from megagate.model.spec import gated_decoder_block_spec
+    from megagate.model_factory import build_model
+    from megagate.run_config import DataSection, TrainConfig
+    from megagate.run_setup import resolve
 
     shape = {**FULL, **shape}
     if variant not in ("g1-elementwise", "baseline"):
         raise ValueError(f"variant={variant!r}: megatron has a counterpart for g1-elementwise and baseline only")
     model = model_preset("tiny", gate=gates.preset(variant), max_sequence_length=max(seq, 128), **shape)
-    config = transformer_config(model)
+    setup = resolve(TrainConfig(model=model, data=DataSection(mock=True)), None)
+    config = setup.transformer_config()
     torch.manual_seed(seed)
-    ours = build_gpt_model(model, config)
+    (ours,) = build_model(setup, initialise=False)  # megatron's own initialisation, as `theirs` below
 
     # megatron's own gate: the same block spec, the attention module put back to megatron's SelfAttention
     mc_config = dataclasses.replace(config, attention_output_gate=variant == "g1-elementwise")

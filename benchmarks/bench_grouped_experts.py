@@ -29,9 +29,10 @@ QUICK = dict(tokens=256, experts=4, hidden=64, ffn=64, topk=2, reps=2)
 
 def _layer(grouped: bool, args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
     from megagate.model import gate as gates
-    from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.model.config import model_preset
-    from megagate.train import init
+    from megagate.model.presets import model_preset
+    from megagate.model_factory import build_model
+    from megagate.run_config import DataSection, PerfSection, TrainConfig, TrainSection
+    from megagate.run_setup import resolve
 
     mc = model_preset(
         "tiny-moe",
@@ -43,8 +44,15 @@ def _layer(grouped: bool, args: argparse.Namespace, dtype: torch.dtype) -> torch
         moe_router_topk=args.topk,
         moe_ffn_hidden_size=args.ffn,
     )
-    model = build_gpt_model(mc, transformer_config(mc, params_dtype=dtype, moe_grouped_gemm=grouped))
-    init.initialize([model], 0, mc.init_method_std, mc.num_layers)
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    cfg = TrainConfig(
+        model=mc,
+        train=TrainSection(precision=precision),
+        data=DataSection(mock=True),
+        perf=PerfSection(moe_grouped_gemm=grouped),
+        seed=0,
+    )
+    (model,) = build_model(resolve(cfg, None))  # initialised layout-independently (seed 0)
     return model.decoder.layers[0].mlp.to(dtype)  # the MoELayer: router, dispatcher, experts
 
 

@@ -67,7 +67,8 @@ def build(variant: str, model_overrides: list[str], out: str, data_dir: str):
     one global set)."""
     from megatron.core import parallel_state
 
-    from megagate import config as config_mod
+    from megagate import config_reader
+    from megagate.run_setup import resolve
     from megagate.train import components
     from megagate.train.trainer import Trainer
 
@@ -78,11 +79,11 @@ def build(variant: str, model_overrides: list[str], out: str, data_dir: str):
         "train.train_steps=100000",
         *model_overrides,
     ]
-    cfg = config_mod.load(CONFIG, overrides)
+    cfg = config_reader.load(CONFIG, overrides)
     parallel_state.destroy_model_parallel()
     with quiet_stdout():
-        parts = components.build_components(cfg, 1)
-    return Trainer(cfg, parts, callbacks=[]), components.loader(cfg, parts.train_data, 0)
+        parts = components.build_components(resolve(cfg, 1))
+    return Trainer(parts, callbacks=[]), components.loader(cfg, parts.train_data, 0)
 
 
 def timed_step(trainer, data) -> float:

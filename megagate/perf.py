@@ -1,30 +1,29 @@
-"""Performance settings: the `perf:` section and FP8 resolved for a device, and the combinations refused.
+"""Performance settings: the `perf:` section and FP8 resolved for a machine, and the combinations refused.
 
-`resolve_perf(cfg, device)` decides every `None`/"auto" of `cfg.perf` (and the FP8 keys of `cfg.train`) for one
-`Device`: on GPU Megatron-LM's defaults and NVIDIA's Qwen3-30B-A3B recipe, on CPU off what has no CPU kernel or
+`resolve_perf(cfg, machine)` decides every `None`/"auto" of `cfg.perf` (and the FP8 keys of `cfg.train`) for one
+`Machine`: on GPU Megatron-LM's defaults and NVIDIA's Qwen3-30B-A3B recipe, on CPU off what has no CPU kernel or
 needs CUDA streams (listed, for the one line the trainer prints). `check_perf` refuses, as one-line ConfigErrors,
-what megatron or the device would refuse; `megagate.config.validate` calls it before any process group exists.
+what megatron or the machine would refuse; the config rules call it before any process group exists.
 Pure functions of the config: the trainer's megatron configs are built from the result
 (megagate.train.components). Every key: docs/performance.md.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from megagate.errors import ConfigError
+from megagate.machine import Machine
+from megagate.model.kernels import CORE_ATTENTIONS, resolve_backend
 from megagate.sections import check_choice as _choice
 
 if TYPE_CHECKING:
-    from megagate.config import TrainConfig, TrainSection
+    from megagate.run_config import TrainConfig, TrainSection
 
 # --- constants ------------------------------------------------------------------------
 FP8_FORMATS = ("e4m3", "hybrid")
 DISPATCHERS = ("auto", "alltoall", "allgather", "flex")
-CORE_ATTENTION = ("auto", "sdpa", "local", "te")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")  # transformer_engine: refused (see _check_cuda_graphs)
 CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess")
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe", "shared_experts")
@@ -40,51 +39,10 @@ GPU_MANUAL_GC_INTERVAL = 5  # NVIDIA's Qwen3-30B-A3B recipe (Megatron-MoE-ModelZ
 
 
 @dataclass(frozen=True)
-class Device:
-    """What a run's machine offers, as the perf rules need it. `None`: not known (a config judged away from it)."""
-
-    gpu: bool
-    te: bool  # Transformer Engine imports
-    capability: tuple[int, int] | None = None  # CUDA compute capability
-    deep_ep: bool | None = None  # DeepEP (the flex dispatcher's backend) imports
-    apex: bool | None = None  # apex's fused_weight_gradient_mlp_cuda (gradient-accumulation fusion) imports
-
-    @classmethod
-    def detect(cls) -> Device:
-        """This machine (probed once per process: validation, the config builders and the callbacks all ask)."""
-        return _detected()
-
-    @classmethod
-    def _probe(cls) -> Device:
-        import torch
-
-        from megagate.model.spec import transformer_engine_available
-
-        gpu = torch.cuda.is_available()
-        return cls(
-            gpu=gpu,
-            te=gpu and transformer_engine_available(),
-            capability=tuple(torch.cuda.get_device_capability()) if gpu else None,
-            deep_ep=importlib.util.find_spec("deep_ep") is not None,
-            apex=importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
-        )
-
-    @classmethod
-    def target(cls, cfg: TrainConfig) -> Device:
-        """The GPU node a config is written for, judged anywhere: Transformer Engine unless backend local."""
-        return cls(gpu=True, te=cfg.train.backend != "local")
-
-
-@functools.cache
-def _detected() -> Device:
-    return Device._probe()
-
-
-@dataclass(frozen=True)
 class ResolvedPerf:
-    """The perf settings in force on one device (every `None`/"auto" decided), and what the CPU switched off."""
+    """The perf settings in force on one machine (every `None`/"auto" decided), and what the CPU switched off."""
 
-    device: Device
+    machine: Machine
     backend_te: bool  # the model is built from Transformer Engine's modules
     moe: bool  # the MoE keys apply (a MoE model)
     moe_grouped_gemm: bool
@@ -146,7 +104,7 @@ class ResolvedPerf:
             + f"; gradient accumulation {on(self.gradient_accumulation_fusion)}"
             + (
                 " (where apex's kernel is installed)"
-                if self.gradient_accumulation_fusion and self.device.apex is None
+                if self.gradient_accumulation_fusion and self.machine.apex is None
                 else ""
             ),
             f"perf overlap: grad reduce {on(self.overlap_grad_reduce)}; param gather {on(self.overlap_param_gather)}; "
@@ -175,11 +133,11 @@ def fp8_format(t: TrainSection) -> str | None:
     return t.fp8_format or ("e4m3" if t.fp8_recipe in ("blockwise", "mxfp8") else "hybrid")
 
 
-def resolve_perf(cfg: TrainConfig, device: Device) -> ResolvedPerf:
-    """The perf settings in force on `device`: every None/"auto" decided (GPU: Megatron-LM's defaults and NVIDIA's
+def resolve_perf(cfg: TrainConfig, machine: Machine) -> ResolvedPerf:
+    """The perf settings in force on `machine`: every None/"auto" decided (GPU: Megatron-LM's defaults and NVIDIA's
     recipe; CPU: off what has no CPU kernel or needs CUDA streams, listed in `cpu_off`). Pure: no torch.cuda."""
     p, t, m = cfg.perf, cfg.train, cfg.model
-    backend_te = t.backend == "te" or (t.backend == "auto" and device.gpu and device.te)
+    backend_te = resolve_backend(t.backend, gpu=machine.gpu, te=machine.te) == "te"
     fp8 = fp8_format(t)
     dist_opt = t.use_distributed_optimizer
 
@@ -202,7 +160,7 @@ def resolve_perf(cfg: TrainConfig, device: Device) -> ResolvedPerf:
         masked_softmax_fusion=auto(p.masked_softmax_fusion, True),
         cross_entropy_loss_fusion=auto(p.cross_entropy_loss_fusion, True),
         # the output layer is megatron's own ColumnParallelLinear: it needs apex's kernel even under TE
-        gradient_accumulation_fusion=auto(p.gradient_accumulation_fusion, device.apex is not False),
+        gradient_accumulation_fusion=auto(p.gradient_accumulation_fusion, machine.apex is not False),
         cuda_graph_impl=p.cuda_graph_impl,
         use_precision_aware_optimizer=p.use_precision_aware_optimizer,
         manual_gc_interval=GPU_MANUAL_GC_INTERVAL if p.manual_gc_interval is None else p.manual_gc_interval,
@@ -212,7 +170,7 @@ def resolve_perf(cfg: TrainConfig, device: Device) -> ResolvedPerf:
     dtypes = {name: getattr(p, name) for name in OPTIMIZER_DTYPES}
     cpu_off: list[str] = []
     values = dict(gpu)
-    if not device.gpu:
+    if not machine.gpu:
         cpu: dict[str, Any] = dict(
             moe_grouped_gemm=auto(p.moe_grouped_gemm, False),  # explicit true: torch's grouped experts
             moe_token_dispatcher_type="allgather",  # alltoall and flex need CUDA streams; allgather is exact
@@ -243,7 +201,7 @@ def resolve_perf(cfg: TrainConfig, device: Device) -> ResolvedPerf:
             modules = tuple(x for x in modules if x != "moe_act")  # megatron recomputes moe_act in grouped MLPs only
             cpu_off.append("recompute_modules moe_act")
     return ResolvedPerf(
-        device=device,
+        machine=machine,
         backend_te=backend_te,
         moe=m.is_moe,
         moe_router_dtype=p.moe_router_dtype,
@@ -260,11 +218,13 @@ def resolve_perf(cfg: TrainConfig, device: Device) -> ResolvedPerf:
     )
 
 
-def check_perf(cfg: TrainConfig, device: Device) -> None:
-    """The perf and FP8 combinations megatron (or the device) refuses, as one-line ConfigErrors, before any process
-    group exists. Checked for the target GPU everywhere (`Device.target`) and for the real device where it runs."""
+def check_perf(cfg: TrainConfig, r: ResolvedPerf) -> None:
+    """The perf and FP8 combinations megatron (or the machine) refuses, as one-line ConfigErrors, before any process
+    group exists, judged on `r` (`resolve_perf(cfg, machine)`): for the target GPU everywhere (`Machine.target`, the
+    config rules) and for the real machine where it runs (`megagate.run_setup.resolve`)."""
     p, t, m = cfg.perf, cfg.train, cfg.model
-    _choice(p.core_attention, CORE_ATTENTION, "perf.core_attention")
+    machine = r.machine
+    _choice(p.core_attention, CORE_ATTENTIONS, "perf.core_attention")
     _choice(p.moe_token_dispatcher_type, DISPATCHERS, "perf.moe_token_dispatcher_type")
     _choice(p.cross_entropy_fusion_impl, ("native", "te"), "perf.cross_entropy_fusion_impl")
     _choice(p.cuda_graph_impl, CUDA_GRAPH_IMPLS, "perf.cuda_graph_impl")
@@ -278,7 +238,6 @@ def check_perf(cfg: TrainConfig, device: Device) -> None:
     if p.manual_gc_interval is not None and p.manual_gc_interval < 0:
         raise ConfigError(f"perf.manual_gc_interval={p.manual_gc_interval} must be >= 0 (0: Python's own collector)")
     _check_profile(cfg)
-    r = resolve_perf(cfg, device)
     te_needed = "needs Transformer Engine (train.backend te or auto on a GPU with TE)"
     if p.core_attention == "te" and not r.backend_te:
         raise ConfigError(f"perf.core_attention='te' {te_needed}; use sdpa or local")
@@ -287,7 +246,7 @@ def check_perf(cfg: TrainConfig, device: Device) -> None:
             if getattr(r, key) and not r.backend_te:
                 raise ConfigError(f"perf.{key}=true {te_needed}")
         if r.moe_token_dispatcher_type == "flex":
-            if device.deep_ep is False:
+            if machine.deep_ep is False:
                 raise ConfigError(
                     "perf.moe_token_dispatcher_type='flex' needs DeepEP, which is not installed; use alltoall"
                 )
@@ -300,11 +259,11 @@ def check_perf(cfg: TrainConfig, device: Device) -> None:
         )
     if r.overlap_param_gather and not r.overlap_grad_reduce:
         raise ConfigError("perf.overlap_param_gather=true needs perf.overlap_grad_reduce=true (Megatron-LM's rule)")
-    if p.apply_rope_fusion and not r.backend_te and device.gpu:
+    if p.apply_rope_fusion and not r.backend_te and machine.gpu:
         raise ConfigError(f"perf.apply_rope_fusion=true {te_needed}")
     if r.cross_entropy_loss_fusion and r.cross_entropy_fusion_impl == "te" and not r.backend_te:
         raise ConfigError(f"perf.cross_entropy_fusion_impl='te' {te_needed}; use native")
-    if p.gradient_accumulation_fusion and device.gpu and device.apex is False:
+    if p.gradient_accumulation_fusion and machine.gpu and machine.apex is False:
         raise ConfigError(
             "perf.gradient_accumulation_fusion=true needs apex's fused_weight_gradient_mlp_cuda, which is not "
             "installed (megatron's output layer uses it)"
@@ -317,11 +276,11 @@ def check_perf(cfg: TrainConfig, device: Device) -> None:
                 raise ConfigError(f"perf.{name}={getattr(p, name)!r} needs perf.use_precision_aware_optimizer=true")
     elif not t.use_distributed_optimizer:
         raise ConfigError("perf.use_precision_aware_optimizer=true needs train.use_distributed_optimizer=true")
-    elif device.gpu and not device.te:
+    elif machine.gpu and not machine.te:
         raise ConfigError(
             "perf.use_precision_aware_optimizer=true needs Transformer Engine's FusedAdam, which is not installed"
         )
-    _check_fp8(cfg, device)
+    _check_fp8(cfg, machine)
 
 
 def _check_profile(cfg: TrainConfig) -> None:
@@ -355,7 +314,7 @@ def _check_recompute_modules(cfg: TrainConfig, r: ResolvedPerf) -> None:
         _choice(module, RECOMPUTE_MODULES, "perf.recompute_modules[]")
         if module in ("moe_act", "moe", "shared_experts") and not m.is_moe:
             raise ConfigError(f"perf.recompute_modules: {module!r} needs a MoE model (model.num_experts)")
-    if "moe_act" in modules and not r.moe_grouped_gemm and r.device.gpu:
+    if "moe_act" in modules and not r.moe_grouped_gemm and r.machine.gpu:
         raise ConfigError("perf.recompute_modules: 'moe_act' needs perf.moe_grouped_gemm=true (megatron's rule)")
     if r.fp8_format and cfg.train.fp8_recipe == "delayed" and {"moe_act", "layernorm"} & set(modules):
         raise ConfigError(
@@ -415,8 +374,8 @@ def _gate_name(cfg: TrainConfig) -> str:
     return repr(cfg.model.gate.describe())
 
 
-def _check_fp8(cfg: TrainConfig, device: Device) -> None:
-    """FP8 settings: what megatron's TransformerConfig refuses, the device's FP8 support, TE's row alignment."""
+def _check_fp8(cfg: TrainConfig, machine: Machine) -> None:
+    """FP8 settings: what megatron's TransformerConfig refuses, the machine's FP8 support, TE's row alignment."""
     t, m, par = cfg.train, cfg.model, cfg.parallel
     if t.fp8_format is not None:
         _choice(t.fp8_format, FP8_FORMATS, "train.fp8_format")
@@ -431,10 +390,10 @@ def _check_fp8(cfg: TrainConfig, device: Device) -> None:
         return
     if t.backend == "local":
         raise ConfigError("train.precision='fp8' needs Transformer Engine: set train.backend te or auto")
-    if not device.gpu:
+    if not machine.gpu:
         raise ConfigError("train.precision='fp8': the CPU has no FP8; use bf16 or fp32")
-    if t.fp8_recipe == "mxfp8" and device.capability is not None and device.capability < (10, 0):
-        major, minor = device.capability
+    if t.fp8_recipe == "mxfp8" and machine.capability is not None and machine.capability < (10, 0):
+        major, minor = machine.capability
         raise ConfigError(
             f"train.fp8_recipe='mxfp8' needs compute capability >= 10.0 (Blackwell); this GPU is {major}.{minor}: "
             "use blockwise (Hopper) or tensorwise"

@@ -1,6 +1,6 @@
 """Typed config sections from YAML mappings: the one set of from-mapping helpers (unknown keys, types, mappings).
 
-Used by `megagate.config` (every training-config section) and `megagate.monitor.config` (the monitor's); it sits at
+Used by `megagate.run_config` (every training-config section) and `megagate.monitor.settings` (the monitor's); it sits at
 the bottom layer so both can. Every refusal is a one-line `ConfigError` naming the key path and what is allowed.
 """
 

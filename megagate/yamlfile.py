@@ -1,6 +1,6 @@
 """Reading a YAML mapping from a file, with one-line errors: the one YAML reader of the package.
 
-Used by `megagate.config` (training configs) and `megagate.monitor.runfiles` (a run directory's resolved
+Used by `megagate.config_reader` (training configs) and `megagate.monitor.runfiles` (a run directory's resolved
 config.yaml); it sits at the bottom layer so that both can use it.
 """
 

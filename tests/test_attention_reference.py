@@ -7,7 +7,7 @@ from megatron.core.transformer.spec_utils import build_module
 from helpers import reference
 from megagate.model import gate as gates
 from megagate.model.build import transformer_config
-from megagate.model.config import model_preset
+from megagate.model.presets import model_preset
 from megagate.model.spec import gated_layer_spec
 
 ATTENTION_VARIANTS = [name for name, fields in gates.PRESETS.items() if not fields.get("sandwich_norm")]

@@ -4,7 +4,7 @@ and nothing left under the names the command would have written.
 One table (`CASES`) across train, train --dry-run, submit --dry-run, sweep --dry-run, preprocess, data inspect,
 tokenizer, analyze, report and variants. Each case runs through `megagate.cli.main` in this process, as the user's
 command line would; every refusal must happen while checking the input, before anything is built or trained (no
-case here trains: the real `train` cases are refused by `megagate.config.validate`, ahead of the process group).
+case here trains: the real `train` cases are refused by `megagate.config_reader.validate`, ahead of the process group).
 The fixtures (a 300-token BPE, a small indexed dataset, damaged copies of its files, broken run directories) are
 built once per module. Disk-full in preprocess runs in its own test on a real 64 KiB tmpfs.
 """

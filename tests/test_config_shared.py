@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megagate.cli import main
-from megagate.model.spec import transformer_engine_available
+from megagate.model.kernels import transformer_engine_available
 
 ROOT = Path(__file__).resolve().parents[1]
 # tiny dense model (4 heads, 2 query groups, 2 layers, max sequence 128), demo data, micro 4 / global 16, 60 steps

@@ -5,12 +5,9 @@ import pytest
 from megagate.errors import ConfigError
 from megagate.model import gate as gates
 from megagate.model.build import transformer_config
-from megagate.model.config import model_preset
-from megagate.model.spec import (
-    check_backend,
-    check_gate_compatible,
-    transformer_engine_available,
-)
+from megagate.model.kernels import check_backend, transformer_engine_available
+from megagate.model.presets import model_preset
+from megagate.model.spec import check_gate_compatible
 
 
 def test_every_preset_is_valid_and_distinct():

@@ -6,13 +6,11 @@ from megatron.core.transformer.spec_utils import build_module
 
 from megagate.errors import ConfigError
 from megagate.model import gate as gates
-from megagate.model import qkv_layout
+from megagate.model import init, qkv_layout
 from megagate.model.build import build_gpt_model, transformer_config
-from megagate.model.config import model_preset
-from megagate.model.counts import gate_parameter_count
-from megagate.model.gate_params import GateParam, gate_parameters
+from megagate.model.gate_params import GateParam, gate_parameter_count, gate_parameters
+from megagate.model.presets import model_preset
 from megagate.model.spec import check_gate_compatible, gated_layer_spec
-from megagate.train import init
 
 H, N, G, D = 64, 4, 2, 16  # the tiny model: 4 query heads in 2 KV groups of head_dim 16
 

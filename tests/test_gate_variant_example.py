@@ -11,12 +11,12 @@ from megatron.core.transformer.spec_utils import build_module
 from helpers import distributed, doc_example, parallel_workers, reference
 from megagate.errors import ConfigError
 from megagate.model import gate as gates
+from megagate.model import init
 from megagate.model.build import build_gpt_model, meta_parameter_count, transformer_config
-from megagate.model.config import model_preset
-from megagate.model.counts import gate_parameter_count, parameter_counts
-from megagate.model.gate_params import gate_parameters
+from megagate.model.counts import parameter_counts
+from megagate.model.gate_params import gate_parameter_count, gate_parameters
+from megagate.model.presets import model_preset
 from megagate.model.spec import gated_layer_spec
-from megagate.train import init
 
 PRESET = "g1-biased-sigmoid"
 SEQ, BATCH = 7, 3

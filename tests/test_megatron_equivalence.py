@@ -10,7 +10,7 @@ from helpers import reference
 from megagate.model import gate as gates
 from megagate.model import qkv_layout as layout
 from megagate.model.build import transformer_config
-from megagate.model.config import model_preset
+from megagate.model.presets import model_preset
 from megagate.model.spec import gated_layer_spec
 
 SEQ, BATCH = 9, 2

@@ -4,7 +4,7 @@ import pytest
 
 from megagate.commands.variants import PAPER_MODELS, format_table, parameter_table
 from megagate.model import gate as gates
-from megagate.model.config import matched_ffn_width
+from megagate.model.model_config import matched_ffn_width
 
 
 def test_paper_models_every_variant(megatron_world, capsys):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megagate import config as config_mod
+from megagate import config_reader, run_config
 from megagate.cli import main
 from megagate.errors import ConfigError
 
@@ -36,13 +36,13 @@ def planned_world_sizes(path: Path) -> list[int]:
     worlds = sorted({job.request.world_size for job in render_examples().JOBS if job.config == relative})
     if worlds:
         return worlds
-    cfg = config_mod.load(str(path))
+    cfg = config_reader.load(str(path))
     p = cfg.parallel
     model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     last = None
     for dp in range(1, 1025):  # the smallest DP with which EP and the batch divide
         try:
-            config_mod.layout(cfg, model_parallel * dp)
+            run_config.layout(cfg, model_parallel * dp)
             return [model_parallel * dp]
         except ConfigError as exc:
             last = exc

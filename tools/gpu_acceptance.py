@@ -195,11 +195,11 @@ def run_bench(smoke: bool, layers: int, seq: int, rounds: int, micro_batch: int)
 
     from megagate.distributed.parallel import single_process
     from megagate.model import gate as gates
+    from megagate.model import init
     from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.model.config import model_preset
     from megagate.model.counts import flops_per_token
+    from megagate.model.presets import model_preset
     from megagate.plan.devices import from_cuda_name
-    from megagate.train import init
 
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+from megagate.analysis.analyze import SAMPLE_TEXT, analyze_model
 from megagate.errors import MegagateError
-from megagate.monitor.analyze import SAMPLE_TEXT, analyze_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,14 +34,37 @@ def text_batch(ids: Sequence[int], seq_len: int, batch: int) -> torch.Tensor:
     return torch.tensor([list(ids[i * seq_len : (i + 1) * seq_len]) for i in range(n)], dtype=torch.long)
 
 
+def load_model_for_analysis(
+    source: str | Path, need_tokenizer: bool = True
+) -> tuple[torch.nn.Module, Callable[[str], list[int]] | None]:
+    """(the whole model in eval mode, text -> token ids) from a trainer checkpoint (any layout: the model factory
+    reshards it into one TP = PP = 1 module in this process; the optimizer state is not read). The encoder is the
+    run's own tokenizer (None without one when `need_tokenizer` is False)."""
+    from megagate.data.demo import run_tokenizer
+    from megagate.data.tokenizer import load_tokenizer
+    from megagate.model_factory import load_whole_model, read_checkpoint
+
+    path, _, cfg = read_checkpoint(source)
+    tokenizer_path = run_tokenizer(cfg.data)  # before the model: a missing tokenizer fails fast
+    tokenizer = None
+    if tokenizer_path is None and need_tokenizer:
+        raise MegagateError(f"checkpoint {str(path)!r}: the run has no tokenizer (mock data?) to encode text with")
+    if tokenizer_path is not None and (need_tokenizer or Path(tokenizer_path).exists()):
+        if not Path(tokenizer_path).exists():
+            raise MegagateError(f"checkpoint {str(path)!r}: the run's tokenizer {tokenizer_path!r} is not here")
+        tokenizer = load_tokenizer(tokenizer_path)
+    model, *_ = load_whole_model(path)
+    return model, None if tokenizer is None else (lambda text: [int(i) for i in tokenizer.encode(text)])
+
+
 def run(args: argparse.Namespace) -> int:
     if args.seq_len < 2 or args.batch < 1:
         raise MegagateError(f"--seq-len {args.seq_len} must be >= 2 and --batch {args.batch} >= 1")
     if args.text is not None and not Path(args.text).is_file():
         raise MegagateError(f"--text {args.text}: no such file")
     text = Path(args.text).read_text(encoding="utf-8") if args.text else SAMPLE_TEXT
-    from megagate.interop.hf_io import is_hf_folder, load_hf_for_analysis
-    from megagate.train.load import load_model_for_analysis
+    from megagate.interop.hf_folder import is_hf_folder
+    from megagate.interop.hf_io import load_hf_for_analysis
 
     # a Hugging Face folder is imported in memory (nothing is written next to it)
     load = load_hf_for_analysis if is_hf_folder(args.checkpoint) else load_model_for_analysis
@@ -49,9 +72,9 @@ def run(args: argparse.Namespace) -> int:
     tokens = text_batch(encode(text), args.seq_len, args.batch)
     device = next(model.parameters()).device
     table = analyze_model(model, tokens.to(device), args.out)
-    from megagate.monitor import runfiles
+    from megagate.files import write_atomic
 
-    runfiles.write_atomic(Path(args.out) / "table.txt", table + "\n")
+    write_atomic(Path(args.out) / "table.txt", table + "\n")
     print(table)
     print(f"plots written to {args.out}")
     return 0

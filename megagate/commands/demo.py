@@ -154,7 +154,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def plot(out: Path, runs: dict[str, Path], steps: int) -> Path:
     """Train (thin) and validation (markers) loss of every variant in one figure, one colour per variant."""
-    from megagate.monitor.plotting import pyplot, save
+    from megagate.analysis.plotting import pyplot, save
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -191,7 +191,7 @@ def plot(out: Path, runs: dict[str, Path], steps: int) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    from megagate import config as config_mod
+    from megagate import config_reader
     from megagate.data.demo import prepare_demo_data
     from megagate.model.counts import parameter_counts
 
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         raise MegagateError(f"--steps {args.steps}: need at least 2 steps to draw a loss curve")
     variants = list(dict.fromkeys(args.variants))
     out = Path(args.out)
-    base = config_mod.load(args.config)  # fail on a bad config before building anything
+    base = config_reader.load(args.config)  # fail on a bad config before building anything
     print(
         f"demo data: Python stdlib docstrings, code and licenses -> BPE {base.data.demo_vocab_size} tokens", flush=True
     )
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         if args.fresh and run_dir.exists():
             shutil.rmtree(run_dir)
         overrides = train_overrides(variant, run_dir, args.steps, args.data_dir)
-        params = parameter_counts(config_mod.load(args.config, overrides).model)["total"]
+        params = parameter_counts(config_reader.load(args.config, overrides).model)["total"]
         if check_reusable(run_dir, args.steps):
             print(f"[{variant:>{width}}] finished {args.steps}-step run found in {run_dir}; reusing it", flush=True)
             wall = previous.get(variant, {}).get("wall_s")

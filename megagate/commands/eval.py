@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     specs = options.parse_data(args.data, lengths, "0,1,0")
 
     from megagate.evaluate import core
-    from megagate.model.config import ParallelConfig
+    from megagate.model.model_config import ParallelConfig
 
     prepared = [
         core.prepare(c, rope, lengths, None if names is None else names[i]) for i, c in enumerate(args.checkpoints)

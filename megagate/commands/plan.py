@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megagate import config as config_mod
+from megagate import config_reader
 from megagate.plan import DEVICES
 from megagate.plan.core import DEFAULT_FRAGMENTATION, DEFAULT_MARGIN_GB, DEFAULT_MFU, plan
 
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} {value}: must be a positive bandwidth")
     if args.top < 1:
         raise ConfigError(f"--top {args.top}: must be >= 1")
-    cfg = config_mod.load(args.config, args.overrides, environment=False)  # planned away from the data
+    cfg = config_reader.load(args.config, args.overrides, environment=False)  # planned away from the data
     world = args.nodes * args.gpus_per_node
     kwargs = dict(
         gpus_per_node=args.gpus_per_node,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from megagate.monitor.aggregate import DEFAULT_RULE, DEFAULT_TOLERANCE, SpikeRule
-from megagate.monitor.replay import parse_settings
-from megagate.monitor.report import report
+from megagate.analysis.aggregate import DEFAULT_RULE, DEFAULT_TOLERANCE, SpikeRule
+from megagate.analysis.replay import parse_settings
+from megagate.analysis.report import report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -80,17 +80,17 @@ def check_grid(specs: Sequence[RunSpec], config_path: str, world_size: int = 1) 
 
     A ConfigError names the first bad point: the grid's own keys (variant, learning rate) can clash with the base.
     """
-    from megagate import config as config_mod
+    from megagate import config_reader, run_config
 
     for spec in specs:
         try:
-            cfg = config_mod.load(config_path, [*spec.overrides, f"output.dir={spec.run_dir}"])
-            config_mod.layout(cfg, world_size)
+            cfg = config_reader.load(config_path, [*spec.overrides, f"output.dir={spec.run_dir}"])
+            run_config.layout(cfg, world_size)
         except ConfigError as exc:
             raise ConfigError(f"sweep point {spec.name}: {exc}") from None
 
 
-SWEEP_FILE = "sweep.json"  # megagate.monitor.aggregate.SWEEP_FILE: how `report` tells which sweep a run is in
+SWEEP_FILE = "sweep.json"  # megagate.analysis.aggregate.SWEEP_FILE: how `report` tells which sweep a run is in
 
 
 def write_sweep_file(

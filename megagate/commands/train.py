@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from megagate.errors import MegagateError
 
 if TYPE_CHECKING:
-    from megagate import config as config_mod
+    from megagate.run_setup import RunSetup
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,12 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=8, help="with --dry-run: GPUs per node of the plan")
 
 
-def describe(cfg: config_mod.TrainConfig, world_size: int) -> str:
-    """The resolved model, parallel layout and batch arithmetic, as printed by --dry-run."""
-    from megagate import config as config_mod
+def describe(setup: RunSetup) -> str:
+    """The resolved model, parallel layout, batch arithmetic and perf settings, as printed by --dry-run."""
     from megagate.model.counts import flops_per_token, parameter_counts
 
-    layout = config_mod.layout(cfg, world_size)
+    cfg, layout = setup.cfg, setup.layout
     m, t = cfg.model, cfg.train
     counts = parameter_counts(m)
     flops = flops_per_token(m, t.seq_length)
@@ -42,7 +41,7 @@ def describe(cfg: config_mod.TrainConfig, world_size: int) -> str:
         f"gate: {m.gate.describe()}",
         f"parameters: {counts['total']:,} total, {counts['active']:,} active, {counts['gate']:,} in gates",
         f"FLOPs per token (training): {flops:,.0f}",
-        f"parallel: world {world_size} = TP {layout.tp} x PP {layout.pp} x CP {layout.cp} x DP {layout.dp}; "
+        f"parallel: world {layout.world_size} = TP {layout.tp} x PP {layout.pp} x CP {layout.cp} x DP {layout.dp}; "
         f"EP {layout.ep}; VPP {cfg.parallel.virtual_pipeline_model_parallel_size or 1}; "
         f"sequence parallel {cfg.parallel.sequence_parallel}",
         f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x DP {layout.dp} x "
@@ -51,33 +50,11 @@ def describe(cfg: config_mod.TrainConfig, world_size: int) -> str:
         f"precision {t.precision}; lr {t.lr} ({t.lr_schedule}, warmup {t.warmup_steps}, min {t.min_lr}); "
         f"clip {t.clip_grad}; weight decay {t.weight_decay}",
         f"output: {cfg.output.dir}; checkpoints: {cfg.checkpoint_dir}",
+        *setup.describe(),
     ]
-    return "\n".join(lines + perf_lines(cfg))
-
-
-def perf_lines(cfg: config_mod.TrainConfig) -> list[str]:
-    """The perf settings in force on the GPU nodes the config is written for (megagate.perf.resolve_perf)."""
-    from megagate import perf as perf_mod
-
-    target = perf_mod.Device.target(cfg)
-    perf = perf_mod.resolve_perf(cfg, target)
-    from megagate.model.spec import core_attention_name, experts_name, resolve_core_attention
-
-    t, m = cfg.train, cfg.model
-    backend = "te" if perf.backend_te else "local"
-    attention = resolve_core_attention(backend, cfg.perf.core_attention)
-    kernels = f"kernels: attention {core_attention_name(backend, cfg.perf.core_attention, cuda=True)}"
-    if m.is_moe:
-        kernels += f"; experts {experts_name(backend, perf.moe_grouped_gemm)}"
-    lines = [
-        kernels,
-        f"perf (on GPU, {'Transformer Engine' if perf.backend_te else 'no Transformer Engine'}): "
-        f"core attention {attention} ({cfg.perf.core_attention}); recompute {m.recompute_granularity or 'none'}"
-        + (f" {list(perf.recompute_modules)}" if perf.recompute_modules else ""),
-    ] + perf.describe()
     if t.precision == "fp8":
         lines.append(
-            f"fp8: recipe {t.fp8_recipe}, format {perf.fp8_format}; parameter gather {t.fp8_param_gather}"
+            f"fp8: recipe {t.fp8_recipe}, format {setup.perf.fp8_format}; parameter gather {t.fp8_param_gather}"
             + (
                 f"; bf16 first {t.num_layers_at_start_in_bf16} / last {t.num_layers_at_end_in_bf16} layers"
                 if t.first_last_layers_bf16
@@ -90,7 +67,7 @@ def perf_lines(cfg: config_mod.TrainConfig) -> list[str]:
             f"profile: steps {prof.steps[0]}-{prof.steps[1]} on ranks {prof.ranks} into "
             f"{prof.dir or os.path.join(cfg.output.dir, 'profile')}"
         )
-    return lines
+    return "\n".join(lines)
 
 
 def _free_port() -> int:
@@ -106,9 +83,11 @@ def run(args: argparse.Namespace) -> int:
         from megagate.train.signals import install_early
 
         install_early()  # before anything slow: a preemption warning during set-up must not kill the process
-    from megagate import config as config_mod  # imports torch (seconds): after the handlers exist
+    from megagate import config_reader
+    from megagate.machine import Machine
+    from megagate.run_setup import resolve
 
-    cfg = config_mod.load(args.config, args.overrides)
+    cfg = config_reader.load(args.config, args.overrides)
     if args.dry_run:
         world = args.world_size
         if world is None:
@@ -119,14 +98,15 @@ def run(args: argparse.Namespace) -> int:
             raise MegagateError(f"--gpus-per-node {args.gpus_per_node}: must be >= 1")
         from megagate.plan import plan
 
-        text = describe(cfg, world)  # the layout check of the real run (config_mod.layout) included
+        # the set-up of the GPU nodes the config is written for (the layout check of the real run included)
+        text = describe(resolve(cfg, world, Machine.target(cfg)))
         predicted = plan(cfg, world, args.gpu, gpus_per_node=min(args.gpus_per_node, world))
         print(f"{text}\nmemory plan:\n{predicted.table()}")
         return 0
     import torch
 
-    from megagate.distributed import launch
-    from megagate.train import children, runlock
+    from megagate.distributed import children, launch
+    from megagate.train import runlock
     from megagate.train.trainer import train
 
     if not any(v in os.environ for v in ("RANK", "SLURM_PROCID", "MASTER_PORT")):
@@ -134,12 +114,14 @@ def run(args: argparse.Namespace) -> int:
     env = launch.init_process_group()
     locks: list = []
     try:
-        config_mod.layout(cfg, env.world_size)  # refuse a bad layout before building anything
+        # every setting decided once for this machine; a bad layout or a perf setting this GPU cannot run is refused
+        # before anything is built
+        setup = resolve(cfg, env.world_size)
         # one run per output directory: every rank refuses together, before anything is written
         locks = runlock.lock_for_run(cfg.output.dir, cfg.checkpoint_dir)
         # megatron's checkpoint-writer Manager ignores the stop signals and dies with this process
         children.install_checkpoint_writer_queue()
-        train(cfg, env.world_size)
+        train(setup)
     finally:
         from megatron.core import parallel_state
 

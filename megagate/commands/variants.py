@@ -6,8 +6,8 @@ import argparse
 
 from megagate.model import gate as gates
 from megagate.model.build import meta_parameter_count
-from megagate.model.config import PRESETS, model_preset
 from megagate.model.counts import parameter_counts
+from megagate.model.presets import PRESETS, model_preset
 
 PAPER_MODELS = ("1.7b-28l", "1.7b-48l", "15a2b-moe")
 

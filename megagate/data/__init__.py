@@ -7,9 +7,12 @@ Modules (each with one job; importing this package is cheap — no torch, no meg
 - `fast_bpe`    rank-based (tiktoken) engine built from a `tokenizer.json`, producing HF's exact token ids
 - `readers`     streaming input readers (JSONL, JSONL.gz, text, folders) with bad-line accounting
 - `indexed`     streaming, atomic writer of megatron `IndexedDataset` files and a validating reader
-- `preprocess`  the parallel preprocessing pipeline (`megagate preprocess`)
-- `inspect_data` `megagate data inspect PREFIX`
+- `preprocess`  the parallel preprocessing pipeline (`megagate preprocess`; `progress`: its progress line)
 - `loader`      `build_datasets` (GPTDataset / BlendedMegatronDatasetBuilder) and `build_loader` (torch | dali)
+- `sampler`     Megatron-LM's pretraining sampler and micro-batch assembly (which samples each rank reads)
 - `dali_loader` the DALI pipeline behind `build_loader(kind="dali")`
-- `demo`        `prepare_demo_data`: corpus -> tokenizer -> indexed prefix in one call, cached
+- `demo`        `prepare_demo_data`: corpus -> tokenizer -> indexed prefix in one call, cached; `run_tokenizer`
+- `bench`       the preprocessing and loader benchmark (`tools/bench_preprocess.py`)
+
+`megagate data inspect PREFIX` is `megagate.commands.data` (reading through `indexed`).
 """

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megagate.errors import require
+from megagate.files import atomic_path
 
 # Test suites and GUI demos are large and repetitive; leaving them out keeps the mix closer to real text.
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "turtledemo", "ensurepip"}
@@ -131,16 +132,10 @@ def build_documents(max_bytes: int | None = None) -> list[dict]:
 def write_jsonl(docs, path: str | os.PathLike, keys: tuple[str, ...] | None = None) -> Path:
     """Write documents as JSONL atomically (temp name, then rename); `keys` selects fields (default: all)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for doc in docs:
-                row = doc if keys is None else {k: doc[k] for k in keys}
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for doc in docs:
+            row = doc if keys is None else {k: doc[k] for k in keys}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return path
 
 

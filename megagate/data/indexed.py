@@ -51,27 +51,6 @@ def token_dtype(vocab_size: int) -> type[np.number]:
     return np.uint16 if vocab_size <= 65536 else np.int32
 
 
-def check_writable_dir(path: str | os.PathLike, what: str) -> None:
-    """MegagateError unless `path` is, or can be created as, a folder this process may write into.
-
-    Walks up to the first existing ancestor: that one must be a folder (not a file) and writable (os.access, so a
-    read-only file system counts too). `what` names the setting or flag in the message, e.g. "output.dir".
-    """
-    path = os.path.abspath(os.fspath(path))
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        where = "is a file" if probe == path else f"is under {probe!r}, which is a file"
-        raise MegagateError(f"{what} {path!r} {where}, not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        where = "" if probe == path else f" (its first existing folder {probe!r} is not)"
-        raise MegagateError(f"{what} {path!r} is not writable{where}")
-
-
 @contextlib.contextmanager
 def name_write_errors(path: str) -> Iterator[None]:
     """Give a write error without a file name (a full disk on write or flush) the name of the file being written

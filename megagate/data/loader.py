@@ -159,7 +159,9 @@ def build_datasets(
         os.makedirs(cache_dir, exist_ok=True)
         # megatron builds on rank 0 while the others wait at a barrier; another rank reading the cache now could
         # catch a file rank 0 is still writing and call it damaged
-        if _global_rank() == 0:
+        from megagate.distributed.utils import is_global_rank0
+
+        if is_global_rank0():
             check_cache_files(cache_dir)
     config = GPTDatasetConfig(
         random_seed=seed,
@@ -181,12 +183,6 @@ def build_datasets(
     with name_write_errors(str(cache_dir)) if cache_dir is not None else contextlib.nullcontext():
         train, valid, test = builder.build()
     return train, valid, test
-
-
-def _global_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def check_cache_files(cache_dir: str | os.PathLike) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megagate.data.indexed import IndexedWriter, check_writable_dir, name_write_errors, token_dtype
+from megagate.data.indexed import IndexedWriter, name_write_errors, token_dtype
 from megagate.data.readers import (
     TEXT_MODES,
     BadLine,
@@ -43,6 +43,7 @@ from megagate.data.readers import (
     parse_chunk,
 )
 from megagate.errors import ConfigError, MegagateError, require
+from megagate.files import check_writable_dir
 
 BAD_LINE_POLICIES = ("skip", "error")
 

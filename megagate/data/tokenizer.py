@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megagate.data.indexed import check_writable_dir
 from megagate.errors import ConfigError, MegagateError, require
+from megagate.files import atomic_path, check_writable_dir
 
 EOD_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -230,11 +230,9 @@ def read_tiktoken_bpe(path: str) -> dict[bytes, int]:
 
 def write_tiktoken_bpe(ranks: dict[bytes, int], path: str | os.PathLike) -> None:
     """Write ranks in tiktoken's file format (atomically)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
             f.write(base64.b64encode(token) + b" " + str(rank).encode() + b"\n")
-    os.replace(tmp, path)
 
 
 def _special_id(
@@ -357,16 +355,11 @@ def train_bpe(
     tok.train_from_iterator(counting(texts), trainer=trainer)
     if counted[0] == 0:  # HF would save a tokenizer of the 256 bytes and the special tokens alone
         raise NoTrainingText("no text to train on; nothing written")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_path(out_path) as tmp:
         try:
             tok.save(str(tmp))
         except Exception as exc:  # the Rust library raises a bare Exception ("No space left on device (os error 28)")
             raise MegagateError(f"cannot write {str(out_path)!r}: {exc}") from None
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return out_path
 
 

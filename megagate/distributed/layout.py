@@ -9,7 +9,7 @@ Rules (megatron.core.parallel_state.initialize_model_parallel and the pipeline s
 - interleaved (virtual) pipeline: megatron groups micro-batches in runs of PP (`microbatch_group_size_per_vp_stage`
   defaults to PP) and refuses a step whose micro-batch count is not a multiple of PP.
 
-Pure arithmetic on plain sizes (`megagate.model.config.ParallelConfig`): no torch, no process group. Every mistake is a
+Pure arithmetic on plain sizes (`megagate.model.model_config.ParallelConfig`): no torch, no process group. Every mistake is a
 one-line `ConfigError` naming the sizes.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megagate.errors import ConfigError
-from megagate.model.config import ParallelConfig
+from megagate.model.model_config import ParallelConfig
 
 _SIZES = (
     "tensor_model_parallel_size",

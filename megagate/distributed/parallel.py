@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from megagate.distributed import launch, megatron_cpu
-from megagate.model.config import ParallelConfig
+from megagate.model.model_config import ParallelConfig
 
 
 def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
@@ -64,3 +64,30 @@ def single_process(parallel: ParallelConfig = ParallelConfig(), seed: int = 1234
             parallel_state.destroy_model_parallel()
             if owns_world:
                 torch.distributed.destroy_process_group()
+
+
+_KEPT: list[contextlib.ExitStack] = []  # the one-process world ensure_single_process opened (kept until exit)
+
+
+def ensure_single_process() -> None:
+    """A one-process megatron world with TP = PP = 1 for a tool that builds a whole model (analysis, export,
+    import): the caller's if one is active (refused unless TP = PP = 1), else one opened here and kept until the
+    process exits."""
+    from megatron.core import parallel_state
+
+    from megagate.errors import MegagateError
+
+    if parallel_state.model_parallel_is_initialized():
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if tp != 1 or pp != 1:
+            raise MegagateError(
+                f"analysis builds the whole model in one process; the active parallel state has TP={tp}, PP={pp}"
+            )
+        return
+    import atexit
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(single_process())
+    _KEPT.append(stack)
+    atexit.register(stack.close)

@@ -10,6 +10,7 @@ micro-batch means is the same number).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch
 
 from megagate.errors import MegagateError
 from megagate.evaluate.options import DataSpec, check_lengths, with_overrides
-from megagate.model.config import POSITION_FIELDS, ModelConfig, ParallelConfig
+from megagate.model.model_config import POSITION_FIELDS, ModelConfig, ParallelConfig
 
 
 @dataclass
@@ -31,7 +32,7 @@ class Prepared:
     path: Path
     name: str
     meta: dict
-    cfg: Any  # megagate.config.TrainConfig of the run
+    cfg: Any  # megagate.run_config.TrainConfig of the run
     model: ModelConfig  # the run's model with the --rope overrides
     tokenizer: str | None
 
@@ -51,30 +52,12 @@ class Options:
 
 
 # --- before anything is built ------------------------------------------------------------------------------------
-def resolve_checkpoint(given: str) -> Path:
-    """An iter_NNNNNNN folder from a checkpoint, a checkpoint root or a run folder (its newest complete one)."""
-    from megagate.train import checkpoint as ckpt
-
-    path = ckpt.resolve(given)
-    if not (path / ckpt.META).exists():
-        raise MegagateError(
-            f"checkpoint {given!r} has no readable {ckpt.META}: it is not a checkpoint (iter_NNNNNNN), nor a "
-            "checkpoint root or run folder with a complete one"
-        )
-    return path
-
-
 def prepare(given: str, rope: dict[str, Any], lengths: list[int], name: str | None = None) -> Prepared:
     """Read a checkpoint's metadata and config (no tensors), apply --rope and check the lengths against it."""
-    from megagate import config as config_mod
-    from megagate.train import checkpoint as ckpt
-    from megagate.train.load import run_tokenizer
+    from megagate.data.demo import run_tokenizer
+    from megagate.model_factory import read_checkpoint
 
-    path = resolve_checkpoint(given)
-    meta = ckpt.read_meta(path)
-    if not isinstance(meta.get("config"), dict):
-        raise MegagateError(f"checkpoint {str(path)!r}: {ckpt.META} has no run config")
-    cfg = config_mod.from_dict(meta["config"], environment=False)
+    path, meta, cfg = read_checkpoint(given)
     where = f"checkpoint {str(path)!r}"
     model = with_overrides(cfg.model, rope, where)
     check_lengths(model, lengths, where)
@@ -165,38 +148,11 @@ def _batches(ds: Any, count: int, mbs: int, dp: int, dp_rank: int) -> list[dict]
 
 # --- the model -----------------------------------------------------------------------------------------------------
 def load_chunks(p: Prepared, opts: Options) -> list:
-    """This rank's model chunk(s) of `p` in eval mode, its tensors loaded (resharded) from the checkpoint."""
-    from megatron.core import parallel_state
+    """This rank's model chunk(s) of `p` (its --rope overrides, the evaluation layout) in eval mode, its tensors
+    loaded (resharded) from the checkpoint by the model factory after the safety check and the verification."""
+    from megagate.model_factory import load_verified
 
-    from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.train import checkpoint as ckpt
-    from megagate.train.components import precision_kwargs, resolve_backend
-
-    scanned = ckpt.safety_check(p.path)  # before anything unpickles it (collective: every rank agrees)
-    reason = ckpt.verify(p.path) or scanned
-    if reason is not None:
-        raise MegagateError(f"checkpoint {str(p.path)!r} is damaged: {reason}")
-    dtype, _ = precision_kwargs(p.cfg)  # fp8 is a training recipe: evaluation runs in the storage dtype
-    tconfig = transformer_config(p.model, opts.parallel, params_dtype=dtype, perform_initialization=False)
-    chunk = build_gpt_model(
-        p.model,
-        tconfig,
-        backend=resolve_backend(p.cfg),
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
-    )
-    if torch.cuda.is_available():
-        chunk.cuda(torch.cuda.current_device())
-    error = None
-    try:
-        ckpt.Checkpointer(p.path.parent).load(p.path, [chunk], None, same_layout=False)
-    except Exception as exc:  # megatron raises CheckpointingException and others for a mismatched checkpoint
-        error = " ".join(str(exc).split())[:300]
-    error = next((e for e in ckpt.gather_objects(error) if e), None)
-    if error:
-        raise MegagateError(f"cannot load the model from {str(p.path)!r}: {error}")
-    chunk.eval()
-    return [chunk]
+    return load_verified(p.path, dataclasses.replace(p.cfg, model=p.model, parallel=opts.parallel))
 
 
 def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from megagate.errors import ConfigError, MegagateError
-from megagate.model.config import POSITION_FIELDS, ModelConfig
+from megagate.model.model_config import POSITION_FIELDS, ModelConfig
 
 RUN_DATA = "@run"  # the checkpoint's own validation split (its run's data, split and seed)
 # --rope may set the position embedding and the length the model is declared for; nothing that defines a weight

@@ -45,7 +45,7 @@ def table(results: dict[str, Any]) -> str:
 
 def plot(results: dict[str, Any], path: str | Path) -> Path:
     """Perplexity vs evaluated length (log-log), one line per checkpoint, one panel per dataset."""
-    from megagate.monitor import plotting
+    from megagate.analysis import plotting
 
     plt = plotting.pyplot()
     names = results["data"]
@@ -69,12 +69,13 @@ def plot(results: dict[str, Any], path: str | Path) -> Path:
 
 def write(results: dict[str, Any], out: str | Path) -> dict[str, Path]:
     """results.json, table.txt and ppl_vs_length.png under `out`."""
+    from megagate.files import write_atomic
     from megagate.monitor import runfiles
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "table": out / "table.txt", "png": out / "ppl_vs_length.png"}
     runfiles.write_json(paths["json"], results)
-    runfiles.write_atomic(paths["table"], table(results) + "\n")
+    write_atomic(paths["table"], table(results) + "\n")
     plot(results, paths["png"])
     return paths

@@ -26,7 +26,7 @@ from typing import Any
 
 from megagate.errors import ConfigError
 from megagate.model import gate as gates
-from megagate.model.config import ModelConfig
+from megagate.model.model_config import ModelConfig
 
 FORMATS = ("qwen3", "qwen3_moe", "qwen3_next", "paper")
 ARCHITECTURES = {

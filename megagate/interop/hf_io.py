@@ -1,11 +1,10 @@
-"""Hugging Face folders in and out: `megagate export` (checkpoint -> HF folder) and `megagate import` (HF folder ->
-checkpoint), plus an HF folder as an in-memory model for `megagate analyze`.
+"""Hugging Face folders in and out of checkpoints: `megagate export` (checkpoint -> HF folder) and `megagate import`
+(HF folder -> checkpoint), plus an HF folder as an in-memory model for `megagate analyze`.
 
-The tensor and config conversions are `megagate.interop.hf`'s; this module reads and writes the files around them:
-checkpoints through the trainer's own code (`train.checkpoint`, `train.load`), HF folders as `config.json`,
-safetensors shards with `model.safetensors.index.json`, `generation_config.json` and tokenizer files. Every output
-folder is written under a temporary name next to it and renamed when complete, so a failure leaves nothing
-half-written under the name asked for.
+The tensor and config conversions are `megagate.interop.hf`'s, the folder files `megagate.interop.hf_folder`'s;
+models are built and checkpoints loaded by the model factory (`megagate.model_factory`: verified, safety-scanned,
+resharded) and saved by the trainer's `Checkpointer`. Every output folder is written under a temporary name next
+to it and renamed when complete, so a failure leaves nothing half-written under the name asked for.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -22,65 +20,21 @@ from typing import Any
 import torch
 
 from megagate.errors import ConfigError, MegagateError
+from megagate.files import atomic_dir
+from megagate.interop.hf_folder import (
+    check_out,
+    hf_tokenizer,
+    known_format,
+    parse_size,
+    read_hf_folder,
+    write_safetensors,
+    write_tokenizer,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-INDEX = "model.safetensors.index.json"
 EXPORT_META = "megagate_export.json"
 BLEND_PLACEHOLDER = "SET_DATA_BLEND"  # data.blend of an import's config until the user names a dataset
 IMPORT_CONFIG = "train_config.yaml"  # a training config that starts from the imported weights (init_from)
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes of a size such as 5GB, 500MB, 2GiB or a plain integer (HF's --max-shard-size spelling)."""
-    if isinstance(text, int):
-        value = text
-    else:
-        match = _SIZE.match(str(text))
-        if not match:
-            raise ConfigError(f"--max-shard-size {text!r} is not a size (e.g. 5GB, 500MB, 2GiB, 1000000)")
-        value = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
-    if value <= 0:
-        raise ConfigError(f"--max-shard-size {text!r} must be positive")
-    return value
-
-
-# --- output folders ------------------------------------------------------------------------------------------------
-def check_out(out: str | os.PathLike, force: bool) -> Path:
-    """The output folder, refused in one line when it holds something (unless `force`) or is a file."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise MegagateError(f"--out {str(out)!r} is a file, not a folder")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise MegagateError(f"--out {str(out)!r} exists and is not empty (use --force to replace it)")
-    return out
-
-
-def _temp_dir(out: Path) -> Path:
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Rename the complete temporary folder to `out` (replacing what --force allowed to replace)."""
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-
-
-# --- checkpoints ---------------------------------------------------------------------------------------------------
-def _run_config(path: Path) -> Any:
-    from megagate import config as config_mod
-    from megagate.train import checkpoint as ckpt
-
-    meta = ckpt.read_meta(path)
-    if not isinstance(meta.get("config"), dict):
-        raise MegagateError(f"checkpoint {str(path)!r}: {ckpt.META} has no run config")
-    return meta, config_mod.from_dict(meta["config"], environment=False)
 
 
 # Transformer Engine fuses the pre-attention and pre-MLP norms into the following linear layer; interop.hf takes
@@ -117,27 +71,23 @@ def export_checkpoint(
 ) -> Path:
     """Write checkpoint `source` (any TP/PP/EP/VPP layout) as a Hugging Face folder `out`; returns `out`.
 
-    The checkpoint is verified and scanned for pickled code, rebuilt at TP = PP = EP = 1 in this process
-    (`train.load.load_model_for_analysis`: dist_checkpointing reshards it) and converted by `interop.hf`.
-    float32 keeps the trained values exactly; bfloat16 rounds every tensor.
+    The checkpoint is verified and scanned for pickled code, rebuilt at TP = PP = EP = 1 in this process (the
+    model factory's `load_whole_model`: dist_checkpointing reshards it) and converted by `interop.hf`. float32
+    keeps the trained values exactly; bfloat16 rounds every tensor. The run's tokenizer is copied when it is on this
+    machine (nothing is built for it).
     """
+    from megagate.data.demo import run_tokenizer
     from megagate.interop import hf
-    from megagate.train import checkpoint as ckpt
-    from megagate.train.load import load_model_for_analysis, run_tokenizer
+    from megagate.model_factory import load_whole_model, read_checkpoint
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     shard_bytes = parse_size(max_shard_size)
-    _known_format(fmt)
+    known_format(fmt)
     out = check_out(out, force)
-    path = ckpt.resolve(source)
-    meta, cfg = _run_config(path) if (path / "megagate.json").is_file() else (None, None)
-    if cfg is not None:  # refuse an unknown format or a variant no format holds before the model is loaded
-        fmt = _check_format(cfg.model, fmt)
-    model, _ = load_model_for_analysis(path, need_tokenizer=False)  # verifies and safety-scans first
-    if cfg is None:
-        meta, cfg = _run_config(path)
-        fmt = _check_format(cfg.model, fmt)
+    path, meta, cfg = read_checkpoint(source)
+    fmt = _check_format(cfg.model, fmt)  # an unknown format or a variant no format holds: before the model loads
+    model, *_ = load_whole_model(path)  # verifies and safety-scans first
     tensors = hf.to_hf_state_dict(cfg.model, fmt, model_state(model))
     config = dict(hf.hf_config(cfg.model, fmt))
     config["torch_dtype"] = dtype
@@ -145,10 +95,9 @@ def export_checkpoint(
         # transformers 4.57.3's Qwen3NextDynamicCache looks up the last linear-attention layer and fails when every
         # layer is full attention: such a folder must run without a KV cache (forward and generate), by default
         config["use_cache"] = False
-    tmp = _temp_dir(out)
-    try:
-        _write_safetensors(tmp, {k: v.to(DTYPES[dtype]) for k, v in tensors.items()}, shard_bytes)
-        tok_note = _write_tokenizer(tmp, run_tokenizer(cfg.data), cfg.model.max_sequence_length, config)
+    with atomic_dir(out) as tmp:
+        write_safetensors(tmp, {k: v.to(DTYPES[dtype]) for k, v in tensors.items()}, shard_bytes)
+        tok_note = write_tokenizer(tmp, run_tokenizer(cfg.data), cfg.model.max_sequence_length, config)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         step = meta.get("step")
         (tmp / EXPORT_META).write_text(
@@ -165,172 +114,34 @@ def export_checkpoint(
             )
             + "\n"
         )
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log(f"exported {path} (step {step}) as {fmt} ({dtype}) to {out}; tokenizer: {tok_note}")
     return out
-
-
-def _known_format(fmt: str | None) -> None:
-    from megagate.interop import hf
-
-    if fmt is not None and fmt not in hf.FORMATS:
-        raise ConfigError(f"--format {fmt!r} is not one of {', '.join(hf.FORMATS)}")
 
 
 def _check_format(model: Any, fmt: str | None) -> str:
     from megagate.interop import hf
 
-    _known_format(fmt)
+    known_format(fmt)
     if fmt is None:
         fmt = hf.default_format(model)
     hf.check_exportable(model, fmt)
     return fmt
 
 
-def _write_safetensors(folder: Path, tensors: Mapping[str, torch.Tensor], shard_bytes: int) -> None:
-    """Shards model-0000N-of-0000M.safetensors of at most `shard_bytes` each (a larger tensor alone) + the index."""
-    from safetensors.torch import save_file
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append({})
-            size = 0
-        # contiguous copies: safetensors refuses views and tensors that share storage (tied weights)
-        shards[-1][name] = tensor.detach().contiguous().clone()
-        size += nbytes
-    weight_map: dict[str, str] = {}
-    total = 0
-    for i, shard in enumerate(shards, start=1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / file), metadata={"format": "pt"})
-        for name, tensor in shard.items():
-            weight_map[name] = file
-            total += tensor.numel() * tensor.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _write_tokenizer(folder: Path, tokenizer_path: str | None, max_length: int, config: dict) -> str:
-    """tokenizer.json + tokenizer_config.json + generation_config.json; one phrase saying what was written."""
-    from megagate.data.tokenizer import EOD_TOKEN, PAD_TOKEN, load_tokenizer
-
-    generation: dict[str, Any] = {"do_sample": False}
-    if config.get("use_cache") is False:  # generate reads its own use_cache (see export_checkpoint)
-        generation["use_cache"] = False
-    if tokenizer_path is None:
-        note = "none (the run has no tokenizer: mock data)"
-    else:
-        tok = load_tokenizer(tokenizer_path)
-        # runs put an end-of-document token between documents and no BOS: it serves as BOS, EOS and (without a
-        # pad token) padding, as in Qwen's own configs
-        ids = {
-            "bos_token_id": tok.eod,
-            "eos_token_id": tok.eod,
-            "pad_token_id": tok.pad if tok.pad is not None else tok.eod,
-        }
-        generation.update(ids)
-        config.update(ids)
-        source = Path(tokenizer_path)
-        source = source / "tokenizer.json" if source.is_dir() else source
-        if source.suffix == ".json":
-            shutil.copyfile(source, folder / "tokenizer.json")
-            pad = PAD_TOKEN if tok.pad is not None else EOD_TOKEN
-            tok_config = {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": None,
-                "eos_token": EOD_TOKEN,
-                "pad_token": pad,
-                "add_bos_token": False,
-                "add_eos_token": False,
-                "clean_up_tokenization_spaces": False,
-                "model_max_length": max_length,
-            }
-            (folder / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-            note = "tokenizer.json + tokenizer_config.json (PreTrainedTokenizerFast)"
-        else:
-            # a SentencePiece or tiktoken file has no exact `tokenizers` equivalent written here: the ids are
-            # in generation_config.json, the tokenizer file must be supplied by its own HF class
-            note = f"not exported ({source.name} is not a `tokenizers` JSON file; only the special-token ids are)"
-    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    return note
-
-
-# --- reading HF folders --------------------------------------------------------------------------------------------
-def read_hf_folder(hf_dir: str | os.PathLike, fmt: str | None = None) -> tuple[Any, str, dict[str, torch.Tensor]]:
-    """(ModelConfig, format, megagate state dict at TP = PP = 1) of a Hugging Face folder of a supported format."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    from megagate.interop import hf
-
-    _known_format(fmt)
-    folder = Path(hf_dir)
-    if not folder.is_dir():
-        raise MegagateError(f"{str(folder)!r} is not a folder")
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise MegagateError(f"{str(folder)!r} has no config.json: it is not a Hugging Face model folder")
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise MegagateError(f"{config_file}: unreadable JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise MegagateError(f"{config_file}: not a JSON object")
-    model_cfg, detected = hf.model_config_from_hf(config)
-    if fmt is not None and fmt != detected:
-        raise MegagateError(f"--format {fmt}: {config_file} describes a {detected} model")
-    files = _weight_files(folder)
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            tensors.update(load_file(str(file)))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise MegagateError(f"{file}: not a readable safetensors file ({exc})") from None
-    state = hf.from_hf_state_dict(model_cfg, detected, tensors)
-    return model_cfg, detected, state
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    index = folder / INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise MegagateError(f"{index}: unreadable ({type(exc).__name__}: {exc})") from None
-        missing = [n for n in names if not (folder / n).is_file()]
-        if missing:
-            raise MegagateError(f"{index} names {missing[0]}, which is not in {str(folder)!r}")
-        return [folder / n for n in names]
-    files = sorted(folder.glob("*.safetensors"))
-    if files:
-        return files
-    pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
-    if pickled:
-        raise MegagateError(
-            f"{str(folder)!r} holds pickled weights ({pickled[0]}), which can run code when loaded; only safetensors "
-            "are read (convert with transformers: model.save_pretrained(dir, safe_serialization=True))"
-        )
-    raise MegagateError(f"{str(folder)!r} has no *.safetensors weights")
-
-
-def build_model(model_cfg: Any, state: Mapping[str, torch.Tensor]) -> torch.nn.Module:
-    """A megagate GPTModel at TP = PP = 1 (fp32, megatron's local modules) holding exactly `state` (strict)."""
+def model_from_state(model_cfg: Any, state: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """A megagate GPTModel at TP = PP = 1 (fp32, megatron's local modules, built by the model factory) holding
+    exactly `state` (strict), in eval mode."""
     from megagate.distributed import megatron_cpu
-    from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.model.config import ParallelConfig
-    from megagate.train.load import _ensure_single_process_world
+    from megagate.distributed.parallel import ensure_single_process
+    from megagate.model_factory import build_model
+    from megagate.run_config import TrainConfig, TrainSection
+    from megagate.run_setup import resolve
 
     megatron_cpu.install()
-    _ensure_single_process_world()
-    tconfig = transformer_config(model_cfg, ParallelConfig(), params_dtype=torch.float32, perform_initialization=False)
-    model = build_gpt_model(model_cfg, tconfig, backend="local")
+    ensure_single_process()
+    # a run of this model alone: fp32, megatron's local modules (interop.hf's names), for loading
+    cfg = TrainConfig(model=model_cfg, train=TrainSection(backend="local"))
+    (model,) = build_model(resolve(cfg, None, training=False), initialise=False)
     own = model_state(model)
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
@@ -352,22 +163,13 @@ def build_model(model_cfg: Any, state: Mapping[str, torch.Tensor]) -> torch.nn.M
     return model
 
 
-def _hf_tokenizer(folder: Path) -> Any | None:
-    from megagate.data.tokenizer import load_tokenizer
-
-    path = folder / "tokenizer.json"
-    return load_tokenizer(str(path)) if path.is_file() else None
-
-
 def load_hf_for_analysis(hf_dir: str | os.PathLike) -> tuple[torch.nn.Module, Callable[[str], list[int]]]:
     """(model in eval mode, text -> token ids) from a Hugging Face folder: imported in memory, nothing written."""
     model_cfg, _, state = read_hf_folder(hf_dir)
-    tokenizer = _hf_tokenizer(Path(hf_dir))
+    tokenizer = hf_tokenizer(Path(hf_dir))
     if tokenizer is None:
         raise MegagateError(f"{str(hf_dir)!r} has no tokenizer.json to encode the text with")
-    model = build_model(model_cfg, state)
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
+    model = model_from_state(model_cfg, state)  # on this machine's device
 
     def encode(text: str) -> list[int]:
         return [int(i) for i in tokenizer.encode(text)]
@@ -375,13 +177,6 @@ def load_hf_for_analysis(hf_dir: str | os.PathLike) -> tuple[torch.nn.Module, Ca
     return model, encode
 
 
-def is_hf_folder(path: str | os.PathLike) -> bool:
-    """A folder with a config.json and no megagate checkpoint metadata (what `analyze` treats as HF input)."""
-    path = Path(path)
-    return (path / "config.json").is_file() and not (path / "megagate.json").is_file()
-
-
-# --- import --------------------------------------------------------------------------------------------------------
 def model_section(model_cfg: Any) -> dict[str, Any]:
     """The `model:` section of a training config that rebuilds `model_cfg` exactly (every field, no preset)."""
     return dataclasses.asdict(model_cfg)
@@ -414,7 +209,7 @@ def import_hf(
     model_cfg, detected, state = read_hf_folder(hf_dir, fmt)
     folder = Path(hf_dir)
     tokenizer = folder / "tokenizer.json"
-    model = build_model(model_cfg, state)
+    model = model_from_state(model_cfg, state)
     write_checkpoint(
         model,
         model_cfg,
@@ -432,8 +227,8 @@ def _save_once(root: Path, model: torch.nn.Module, meta: Mapping[str, Any]) -> P
     the one started here is stopped after the save, so an import in a long-lived process leaves no child behind."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megagate.train import checkpoint as ckpt
-    from megagate.train import children
+    from megagate import checkpoint as ckpt
+    from megagate.distributed import children
 
     ours = filesystem_async._results_queue is None
     if ours:
@@ -463,8 +258,8 @@ def write_checkpoint(
     """
     import yaml
 
-    from megagate import config as config_mod
-    from megagate.train import resume
+    from megagate import checkpoint as ckpt
+    from megagate import config_reader
 
     out = Path(out)
     raw: dict[str, Any] = {"model": model_section(model_cfg), **(base or {})}
@@ -482,17 +277,16 @@ def write_checkpoint(
     train = dict(raw.get("train") or {})
     train.setdefault("seq_length", min(128, model_cfg.max_sequence_length))
     raw["train"] = train
-    cfg = config_mod.from_dict(raw, environment=False)  # the trainer's reader must accept what is saved
+    cfg = config_reader.from_dict(raw, environment=False)  # the trainer's reader must accept what is saved
     meta = {
         "consumed_samples": 0,
         "config": raw,
-        "architecture": resume.architecture(cfg),
+        "architecture": ckpt.architecture(cfg),
         "layout": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1},
         "optimizer_format": cfg.checkpoint.optimizer_format,
         "imported_from": dict(source or {}),
     }
-    tmp = _temp_dir(out)
-    try:
+    with atomic_dir(out) as tmp:
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
         path = _save_once(tmp, model, meta)
@@ -502,10 +296,6 @@ def write_checkpoint(
             "# set data.blend (a placeholder or data.mock here), data.tokenizer, train.* and output.dir;\n"
             "# keep the model section as it is\n" + yaml.safe_dump(train_cfg, sort_keys=False)
         )
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log(
         f"wrote checkpoint {out / path.name} ({', '.join(f'{k} {v}' for k, v in (source or {}).items())}); "
         f"a training config starting from it: {out / IMPORT_CONFIG}"

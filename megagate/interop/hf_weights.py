@@ -35,7 +35,7 @@ from torch import Tensor
 from megagate.errors import ConfigError
 from megagate.interop.hf_config import check_exportable, gate_name
 from megagate.model import qkv_layout
-from megagate.model.config import ModelConfig
+from megagate.model.model_config import ModelConfig
 
 Shape = tuple[int, ...]
 

@@ -65,7 +65,7 @@ class GatedSelfAttention(SelfAttention):
         **kwargs: Any,
     ) -> None:
         self.gate = gate
-        # The full (unsharded) table of this layer's gate parameters; megagate.train.init reads it too.
+        # The full (unsharded) table of this layer's gate parameters; megagate.model.init reads it too.
         heads, groups, head_dim = config.num_attention_heads, config.num_query_groups, config.kv_channels
         table = gate_parameters(gate, config.hidden_size, heads, groups, head_dim)
         self.gate_params: tuple[GateParam, ...] = tuple(table)

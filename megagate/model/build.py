@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megagate.model.config import ModelConfig, ParallelConfig
+from megagate.model.model_config import ModelConfig, ParallelConfig
 
 
 def transformer_config(
@@ -20,12 +20,13 @@ def transformer_config(
     perform_initialization: bool = True,
     **extra: Any,
 ) -> TransformerConfig:  # noqa: F821
-    """megatron's TransformerConfig for `model` under `parallel` (CPU-safe fusions off when CUDA is absent).
+    """megatron's TransformerConfig for `model` under `parallel`.
 
-    `extra` wins over everything set here: the trainer passes its precision (FP8 recipe) and the perf settings in
-    force on its device (megagate.train.components.model_transformer_config, from the config's `perf:` section).
-    Without them (evaluation, the planner's parameter counts) the model is built as megatron's defaults build it:
-    SequentialMLP experts, no fusions; the parameters are the same.
+    `extra` wins over everything set here: a run passes its precision (FP8 recipe) and the perf settings in force
+    on its machine (`megagate.run_setup.RunSetup.transformer_kwargs`, from the config's `perf:` section: the one
+    place that decides them, CPU switch-offs included). Without them (tests, the planner's parameter counts) the
+    model is built as megatron's defaults build it: SequentialMLP experts, no fusions; the parameters are the same.
+    `use_cpu` (default: no CUDA here) initialises on the CPU and sends pipeline messages one by one.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -43,9 +44,6 @@ def transformer_config(
             # softmax over all experts before top-k (no renormalisation) when the top-k probabilities are not
             # normalised; megatron's default softmax over the top-k logits otherwise
             moe_router_pre_softmax=not model.moe_router_norm_topk,
-            # alltoall needs CUDA streams; allgather is exact and works over gloo (perf: overrides both)
-            moe_token_dispatcher_type="allgather" if cpu else "alltoall",
-            moe_grouped_gemm=False,
         )
     kwargs: dict[str, Any] = dict(
         num_layers=model.num_layers,
@@ -78,17 +76,9 @@ def transformer_config(
         **moe,
     )
     if cpu:
-        kwargs.update(
-            bias_dropout_fusion=False,
-            masked_softmax_fusion=False,
-            persist_layer_norm=False,
-            apply_rope_fusion=False,
-            gradient_accumulation_fusion=False,
-            bias_activation_fusion=False,
-            # gloo pairs batched isend/irecv out of order under the interleaved (VPP) schedule: the micro-batches
-            # after the first group got another micro-batch's activations (measured); single p2p ops stay ordered
-            batch_p2p_comm=False,
-        )
+        # gloo pairs batched isend/irecv out of order under the interleaved (VPP) schedule: the micro-batches after
+        # the first group got another micro-batch's activations (measured); single p2p ops stay ordered
+        kwargs.update(batch_p2p_comm=False)
     if model.recompute_granularity is not None:
         kwargs.update(
             recompute_granularity=model.recompute_granularity,
@@ -122,7 +112,7 @@ def build_gpt_model(
     core_attention: str = "auto",
 ) -> GPTModel:  # noqa: F821
     """A megatron GPTModel built from the gated decoder block spec (this pipeline stage's part); `core_attention`
-    ("auto" | "sdpa" | "local" | "te") picks the attention kernel (`megagate.model.spec.resolve_core_attention`)."""
+    ("auto" | "sdpa" | "local" | "te") picks the attention kernel (`megagate.model.kernels.resolve_core_attention`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 

@@ -2,18 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from megagate.model.gate import GateConfig
-from megagate.model.gate_params import gate_parameters
-
-if TYPE_CHECKING:
-    from megagate.model.config import ModelConfig
-
-
-def gate_parameter_count(gate: GateConfig, hidden_size: int, num_heads: int, num_groups: int, head_dim: int) -> int:
-    """Parameters one attention layer adds for `gate`: the sum over its table (megagate.model.gate_params)."""
-    return sum(p.numel for p in gate_parameters(gate, hidden_size, num_heads, num_groups, head_dim))
+from megagate.model.gate_params import gate_parameter_count
+from megagate.model.model_config import ModelConfig
 
 
 def parameter_counts(model: ModelConfig) -> dict[str, int]:
@@ -27,7 +17,7 @@ def parameter_counts(model: ModelConfig) -> dict[str, int]:
     )
     attention = h * n * d + 2 * h * g * d + n * d * h + (2 * d if model.qk_layernorm else 0)
     gate = gate_parameter_count(model.gate, h, n, g, d)
-    norms = 2 * h + model._sandwich_params()
+    norms = 2 * h + model.sandwich_norm_params
     if model.is_moe:
         expert = 3 * h * model.moe_ffn_hidden_size
         router = model.num_experts * h

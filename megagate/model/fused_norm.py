@@ -84,7 +84,7 @@ class NormColumnParallelLinear(ColumnParallelLinear):
     """megatron's local ColumnParallelLinear with the input norm in front: `linear(norm(x))`, TE's LayerNormLinear
     in torch. The norm follows the config (normalization, layernorm_epsilon, layernorm_zero_centered_gamma), as
     TELayerNormColumnParallelLinear's does; its parameters carry TE's names (`layer_norm_weight`,
-    `layer_norm_bias`), so checkpoints, megagate.train.init and megagate.interop see the TE names.
+    `layer_norm_bias`), so checkpoints, megagate.model.init and megagate.interop see the TE names.
 
     Under sequence parallelism the input is this rank's sequence chunk: the norm is per token, so it runs on the
     chunk and ColumnParallelLinear gathers the normed tensor; the norm's gradient is then a partial sum over TP ranks,

@@ -5,9 +5,9 @@
 
 * construction: `GatedSelfAttention` creates exactly the entries not fused into linear_qkv (shapes per TP rank,
   megatron's TP attributes, `sequence_parallel` marks), and nothing else;
-* counting: `megagate.model.counts.gate_parameter_count` is the sum over the table (and so the dense models' FFN
+* counting: `gate_parameter_count` (here) is the sum over the table (and so the dense models' FFN
   matching and `megagate variants`);
-* initialisation: `megagate.train.init` gives each gate parameter the table's rule (zeros / ones / normal);
+* initialisation: `megagate.model.init` gives each gate parameter the table's rule (zeros / ones / normal);
 * checkpointing: `GatedSelfAttention.sharded_state_dict` splits the TP-sharded entries along their axis.
 
 Pure arithmetic on shapes: no megatron, no tensors.
@@ -142,3 +142,8 @@ def gate_parameters(
     if len(set(names)) != len(names):
         raise ValueError(f"gate parameter names repeat: {names}")
     return entries
+
+
+def gate_parameter_count(gate: GateConfig, hidden_size: int, num_heads: int, num_groups: int, head_dim: int) -> int:
+    """Parameters one attention layer adds for `gate`: the sum over its table."""
+    return sum(p.numel for p in gate_parameters(gate, hidden_size, num_heads, num_groups, head_dim))

@@ -8,7 +8,7 @@ FP8/BF16 modules, grouped-GEMM experts, the MoE router. Two things are added:
 * with `gate.sandwich_norm`, both bias-dropout-add modules become `SublayerOutputNormBDA`, which normalises the
   sublayer output before the residual add (the paper's sandwich-norm stability baseline).
 
-The core attention inside `self_attention` is chosen by `core_attention` (`CORE_ATTENTIONS`): "te" is Transformer
+The core attention inside `self_attention` is chosen by `core_attention` (`megagate.model.kernels`): "te" is Transformer
 Engine's fused attention (backend te only), "local" megatron's `DotProductAttention` (materialises [b, np, sq, sk]
 probabilities), "sdpa" `megagate.model.core_attention.SDPACoreAttention` (torch's fused kernels, memory O(s));
 "auto" is te under backend te, else sdpa, on CPU too (faster and smaller there as well).
@@ -25,7 +25,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
@@ -39,70 +38,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megagate.errors import ConfigError
 from megagate.model.attention import GatedSelfAttention
-from megagate.model.core_attention import SDPACoreAttention, enabled_sdpa_backends
+from megagate.model.core_attention import SDPACoreAttention
 from megagate.model.gate import GateConfig
+from megagate.model.kernels import check_backend, resolve_core_attention
 from megagate.model.norms import ZeroCenteredRMSNorm
 from megagate.model.qkv_layout import check_tensor_parallel
-
-BACKENDS = ("local", "te")
-CORE_ATTENTIONS = ("auto", "sdpa", "local", "te")
-
-
-def transformer_engine_available() -> bool:
-    """True when Transformer Engine's PyTorch modules import."""
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # ImportError, or a CUDA/driver error raised while loading TE's library
-        return False
-    return True
-
-
-def check_backend(backend: str) -> None:
-    """Refuse unknown backends, and 'te' where Transformer Engine is not installed."""
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
-    if backend == "te" and not transformer_engine_available():
-        raise ConfigError(
-            "backend='te' needs Transformer Engine, which is not installed (pip install -e '.[te]' on a CUDA "
-            "machine); use backend='local'"
-        )
-
-
-def resolve_core_attention(backend: str, choice: str = "auto") -> str:
-    """The core-attention kernel that `choice` means under `backend`: "te", "local" or "sdpa" (one-line
-    ConfigError for an unknown choice, or "te" without backend te)."""
-    if choice not in CORE_ATTENTIONS:
-        raise ConfigError(f"core_attention={choice!r} is not one of {', '.join(CORE_ATTENTIONS)}")
-    if choice == "auto":
-        return "te" if backend == "te" else "sdpa"
-    if choice == "te" and backend != "te":
-        raise ConfigError(
-            f"core_attention='te' needs backend='te' (got backend={backend!r}); use core_attention='sdpa' or 'local'"
-        )
-    return choice
-
-
-def core_attention_name(backend: str, choice: str = "auto", cuda: bool | None = None) -> str:
-    """A one-line description of the core attention that will run, for `--dry-run`: the resolved kernel, and for
-    sdpa on CUDA the torch SDPA backends enabled in this process."""
-    kernel = resolve_core_attention(backend, choice)
-    if kernel == "te":
-        return "te (Transformer Engine DotProductAttention)"
-    if kernel == "local":
-        return "local (megatron DotProductAttention, materialises [b, np, sq, sk] probabilities)"
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    if cuda:
-        return f"sdpa (torch scaled_dot_product_attention; CUDA backends enabled: {', '.join(enabled_sdpa_backends())})"
-    return "sdpa (torch scaled_dot_product_attention; CPU flash kernel)"
-
-
-def experts_name(backend: str, grouped: bool) -> str:
-    """The MoE expert implementation the spec builds (for `--dry-run`)."""
-    if not grouped:
-        return "SequentialMLP (megatron's loop over the local experts)"
-    if backend == "te":
-        return "TEGroupedMLP (Transformer Engine's grouped GEMM)"
-    return "TorchGroupedMLP (torch grouped_mm)"
 
 
 def _core_attention_module(backend: str, choice: str) -> type | None:

@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from megagate.errors import MegagateError
+from megagate.files import write_atomic
 from megagate.yamlfile import load_mapping
 
 CONFIG = "config.yaml"
@@ -76,24 +76,6 @@ def append_jsonl(path: str | os.PathLike, record: Mapping[str, Any]) -> None:
             raise OSError(f"short write to {path}: {written} of {len(data)} bytes")
     finally:
         os.close(fd)
-
-
-def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
-    """Write `data` to `path` via a temporary file in the same directory and os.replace."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def write_json(path: str | os.PathLike, record: Mapping[str, Any]) -> None:

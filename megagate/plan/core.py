@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from megagate import config as config_mod
-from megagate.config import TrainConfig
-from megagate.model.config import ModelConfig
+from megagate import run_config
+from megagate.model.model_config import ModelConfig
 from megagate.plan import memory as mem
 from megagate.plan.devices import GB, Device, device
 from megagate.plan.params import RankShape, rank_buffers
 from megagate.plan.time import Links, StepTime, step_time
+from megagate.run_config import TrainConfig
 
 DEFAULT_MFU = 0.40  # a well-tuned megatron bf16 run reaches 35-50 % on H100; the estimate scales as 1 / MFU
 DEFAULT_MARGIN_GB = 3.0  # CUDA context, cuBLAS/TE workspaces, NCCL buffers of every communicator
@@ -145,7 +145,7 @@ def plan(
 ) -> Plan:
     """Memory per rank role and the step time of `cfg` on `world_size` GPUs of type `gpu` (see docs/planning.md)."""
     dev = gpu if isinstance(gpu, Device) else device(gpu)
-    layout = config_mod.layout(cfg, world_size)  # the trainer's own layout rules (one-line ConfigError)
+    layout = run_config.layout(cfg, world_size)  # the trainer's own layout rules (one-line ConfigError)
     m, t, p = cfg.model, cfg.train, cfg.parallel
     k = kernels or kernels_for(t.backend, cfg.perf.core_attention)
     shape = RankShape(layout.tp, layout.pp, layout.vpp, layout.ep, layout.cp, layout.dp, layout.expert_dp)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from megagate.config import TrainConfig
 from megagate.distributed.layout import Layout
+from megagate.run_config import TrainConfig
 
 
 def megatron_args(cfg: TrainConfig, layout: Layout) -> SimpleNamespace:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megagate.model.config import ModelConfig
 from megagate.model.gate_params import gate_parameters
+from megagate.model.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
-from megagate.model.config import ModelConfig
 from megagate.model.gate_params import gate_parameters
+from megagate.model.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megagate.config import TrainConfig
 from megagate.errors import ConfigError
 from megagate.plan.core import Plan, plan, with_overrides
+from megagate.run_config import TrainConfig
 
 RECOMPUTE = (
     {"recompute_granularity": None, "recompute_method": None, "recompute_num_layers": None},

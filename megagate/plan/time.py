@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megagate.model.config import ModelConfig
 from megagate.model.counts import flops_per_token
+from megagate.model.model_config import ModelConfig
 from megagate.plan.devices import Device
 
 

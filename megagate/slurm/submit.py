@@ -6,12 +6,12 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from megagate.errors import MegagateError
+from megagate.files import write_atomic
 from megagate.slurm.request import SlurmRequest
 
 
@@ -20,19 +20,8 @@ class SubmitError(MegagateError):
 
 
 def write_script(script: str, path: str | os.PathLike[str]) -> Path:
-    """Write `script` to `path` (temp name + os.replace: a reader never sees half a script); mode 0755."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(script)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Write `script` to `path` (atomically: a reader never sees half a script); mode 0755."""
+    return write_atomic(path, script, mode=0o755)
 
 
 def default_script_path(request: SlurmRequest) -> Path:

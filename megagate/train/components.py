@@ -1,35 +1,35 @@
 """The set-up half of training: model chunks, megatron DDP, DistributedOptimizer, LR scheduler, data, loaders.
 
-`build_components(cfg, world_size)` initialises megatron's parallel state and returns `Components`; the
-Trainer (megagate.train.trainer) steps them. Nothing here knows about the loop or its callbacks, so analysis
-(megagate.train.load) and benchmarks can build what they need from here alone.
+`build_components(setup)` initialises megatron's parallel state and returns `Components` for a `RunSetup`
+(megagate.run_setup: every setting already resolved; the model comes from megagate.model_factory); the Trainer
+(megagate.train.trainer) steps them. Nothing here knows about the loop or its callbacks, so benchmarks can build
+what they need from here alone.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from megagate import config as config_mod
-from megagate import perf as perf_mod
-from megagate.config import Layout, TrainConfig
-from megagate.errors import ConfigError
-from megagate.model.build import build_gpt_model, transformer_config
-from megagate.train.metrics import log
+from megagate.console import log
+from megagate.distributed.layout import Layout
+from megagate.distributed.utils import rank0_first
+from megagate.errors import ConfigError, MegagateError
+from megagate.model_factory import build_model
+from megagate.run_config import MEGATRON_LR_STYLE, TrainConfig
+from megagate.run_setup import RunSetup
 
 
 @dataclass
 class Components:
     """The built parts of one training run."""
 
-    cfg: TrainConfig
-    layout: Layout
+    setup: RunSetup  # the run's config and what it resolved to on this machine
     model: list  # unwrapped model chunks (one per virtual pipeline stage)
     ddp: list  # the same chunks wrapped in megatron's DistributedDataParallel
     optimizer: Any  # megatron's (Distributed)Optimizer
@@ -37,6 +37,14 @@ class Components:
     train_data: Any  # megatron datasets
     valid_data: Any
     data: DataBuild | None = None  # how the datasets were built (stored in checkpoints)
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self.setup.cfg
+
+    @property
+    def layout(self) -> Layout:
+        return self.setup.layout
 
 
 @dataclass(frozen=True)
@@ -49,133 +57,12 @@ class DataBuild:
     tokenizer: str | None
 
 
-# --- precision and backend ---------------------------------------------------------------------------------------
-def resolve_backend(cfg: TrainConfig) -> str:
-    """'te' or 'local' (auto: Transformer Engine when it imports and a GPU is present)."""
-    from megagate.model.spec import transformer_engine_available
-
-    if cfg.train.backend != "auto":
-        return cfg.train.backend
-    return "te" if torch.cuda.is_available() and transformer_engine_available() else "local"
-
-
-def precision_kwargs(cfg: TrainConfig) -> tuple[torch.dtype, dict]:
-    """(parameter dtype, extra TransformerConfig arguments) of `train.precision` (fp8: TE's recipe options)."""
-    t, m = cfg.train, cfg.model
-    if t.precision == "fp32":
-        return torch.float32, {}
-    extra: dict[str, Any] = {}
-    if t.precision == "fp8":
-        extra = dict(
-            fp8=perf_mod.fp8_format(t),
-            fp8_recipe=t.fp8_recipe,
-            fp8_margin=t.fp8_margin,
-            fp8_amax_history_len=t.fp8_amax_history_len,
-            fp8_amax_compute_algo=t.fp8_amax_compute_algo,
-            fp8_param=t.fp8_param_gather,  # parameters kept in FP8 (Megatron-LM sets both from --fp8-param-gather)
-            first_last_layers_bf16=t.first_last_layers_bf16,
-            num_layers_at_start_in_bf16=t.num_layers_at_start_in_bf16,
-            num_layers_at_end_in_bf16=t.num_layers_at_end_in_bf16,
-        )
-        if m.is_moe:
-            # megatron 0.19 renames moe_router_padding_for_fp8 (deprecated, warns) to ..._for_quantization
-            extra["moe_router_padding_for_quantization"] = t.moe_router_padding_for_fp8 is not False
-    return torch.bfloat16, extra
-
-
-def resolved_perf(cfg: TrainConfig, device: perf_mod.Device | None = None) -> perf_mod.ResolvedPerf:
-    """The perf settings in force on `device` (default: this machine)."""
-    return perf_mod.resolve_perf(cfg, perf_mod.Device.detect() if device is None else device)
-
-
-def perf_transformer_kwargs(cfg: TrainConfig, perf: perf_mod.ResolvedPerf) -> dict[str, Any]:
-    """The TransformerConfig arguments of the resolved perf settings (MoE keys only for MoE models)."""
-    kwargs: dict[str, Any] = dict(
-        bias_activation_fusion=perf.bias_activation_fusion,
-        bias_dropout_fusion=perf.bias_dropout_fusion,
-        apply_rope_fusion=perf.apply_rope_fusion,
-        masked_softmax_fusion=perf.masked_softmax_fusion,
-        cross_entropy_loss_fusion=perf.cross_entropy_loss_fusion,
-        cross_entropy_fusion_impl=perf.cross_entropy_fusion_impl,
-        gradient_accumulation_fusion=perf.gradient_accumulation_fusion,
-        cuda_graph_impl=perf.cuda_graph_impl,
-    )
-    if perf.cuda_graph_impl != "none":
-        kwargs.update(use_te_rng_tracker=perf.cuda_graph_impl == "transformer_engine")
-        kwargs.update(
-            cuda_graph_modules=list(perf.cuda_graph_modules), cuda_graph_warmup_steps=perf.cuda_graph_warmup_steps
-        )
-    if perf.recompute_modules is not None:
-        kwargs["recompute_modules"] = list(perf.recompute_modules)
-    if cfg.model.is_moe:
-        kwargs.update(
-            moe_grouped_gemm=perf.moe_grouped_gemm,
-            moe_token_dispatcher_type=perf.moe_token_dispatcher_type,
-            moe_permute_fusion=perf.moe_permute_fusion,
-            moe_router_fusion=perf.moe_router_fusion,
-            moe_router_dtype=perf.moe_router_dtype,
-        )
-        if perf.moe_token_dispatcher_type == "flex":
-            kwargs["moe_flex_dispatcher_backend"] = "deepep"
-    return kwargs
-
-
-def model_transformer_config(
-    cfg: TrainConfig, device: perf_mod.Device | None = None, **extra: Any
-) -> TransformerConfig:  # noqa: F821
-    """The run's megatron TransformerConfig on `device` (default: this machine): model, parallel sizes, precision
-    and the perf settings in force there."""
-    dtype, fp8 = precision_kwargs(cfg)
-    perf = resolved_perf(cfg, device)
-    return transformer_config(
-        cfg.model,
-        cfg.parallel,
-        params_dtype=dtype,
-        use_cpu=not perf.device.gpu,
-        **{**fp8, **perf_transformer_kwargs(cfg, perf), **extra},
-    )
-
-
-# --- model, DDP, optimizer ---------------------------------------------------------------------------------------
-def build_model_chunks(cfg: TrainConfig) -> list:
-    """This rank's model chunks (one per virtual pipeline stage), initialised layout-independently."""
-    from megatron.core import parallel_state
-
-    from megagate.train import init
-
-    tconfig = model_transformer_config(cfg)
-    backend = resolve_backend(cfg)
-    # S's SDPA core attention: passed where build_gpt_model takes the choice
-    attention = (
-        {"core_attention": cfg.perf.core_attention}
-        if "core_attention" in inspect.signature(build_gpt_model).parameters
-        else {}
-    )
-    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
-    chunks = []
-    for vp_stage in range(vpp or 1):
-        stage = vp_stage if vpp else None
-        chunk = build_gpt_model(
-            cfg.model,
-            tconfig,
-            backend=backend,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            vp_stage=stage,
-            **attention,
-        )
-        if torch.cuda.is_available():
-            chunk.cuda(torch.cuda.current_device())
-        chunks.append(chunk)
-    init.initialize(chunks, cfg.seed, cfg.model.init_method_std, cfg.model.num_layers)
-    return chunks
-
-
-def ddp_config(cfg: TrainConfig, device: perf_mod.Device | None = None) -> DistributedDataParallelConfig:  # noqa: F821
-    """megatron's DistributedDataParallelConfig of the run on `device` (default: this machine)."""
+# --- DDP, optimizer ------------------------------------------------------------------------------------------------
+def ddp_config(setup: RunSetup) -> DistributedDataParallelConfig:  # noqa: F821
+    """megatron's DistributedDataParallelConfig of the run set-up."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    perf = resolved_perf(cfg, device)
+    cfg, perf = setup.cfg, setup.perf
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=perf.overlap_grad_reduce,
@@ -197,11 +84,11 @@ def sync_params(ddp: list) -> None:
                 chunk.start_param_sync(force_sync=True)
 
 
-def wrap_ddp(cfg: TrainConfig, chunks: list) -> list:
+def wrap_ddp(setup: RunSetup, chunks: list) -> list:
     """megatron's DistributedDataParallel around each chunk (bucketing on the first only, as megatron-LM does)."""
     from megatron.core.distributed import DistributedDataParallel
 
-    config = ddp_config(cfg)
+    config = ddp_config(setup)
     return [
         DistributedDataParallel(chunk.config, config, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)
     ]
@@ -210,13 +97,11 @@ def wrap_ddp(cfg: TrainConfig, chunks: list) -> list:
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.uint8}
 
 
-def optimizer_config(cfg: TrainConfig, device: perf_mod.Device | None = None) -> OptimizerConfig:  # noqa: F821
-    """megatron's OptimizerConfig (AdamW with clipping; the precision-aware optimizer's dtypes) on `device`."""
+def optimizer_config(setup: RunSetup) -> OptimizerConfig:  # noqa: F821
+    """megatron's OptimizerConfig (AdamW with clipping; the precision-aware optimizer's dtypes) of the set-up."""
     from megatron.core.optimizer import OptimizerConfig
 
-    t = cfg.train
-    perf = resolved_perf(cfg, device)
-    dtype, _ = precision_kwargs(cfg)
+    t, perf, dtype = setup.cfg.train, setup.perf, setup.params_dtype
     precision_aware: dict[str, Any] = {}
     if perf.use_precision_aware_optimizer:
         # megatron stores fp8 optimizer moments as torch.uint8 (TE's FusedAdam scales them)
@@ -244,15 +129,15 @@ def optimizer_config(cfg: TrainConfig, device: perf_mod.Device | None = None) ->
     )
 
 
-def build_optimizer(cfg: TrainConfig, ddp: list) -> tuple[Any, Any]:
+def build_optimizer(setup: RunSetup, ddp: list) -> tuple[Any, Any]:
     """(megatron optimizer: AdamW with clipping, OptimizerParamScheduler counting samples)."""
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    t = cfg.train
-    optimizer = get_megatron_optimizer(optimizer_config(cfg), ddp)
+    t = setup.cfg.train
+    optimizer = get_megatron_optimizer(optimizer_config(setup), ddp)
     gbs = t.global_batch_size
-    style = config_mod.MEGATRON_LR_STYLE[t.lr_schedule]
+    style = MEGATRON_LR_STYLE[t.lr_schedule]
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -281,7 +166,7 @@ def build_data(cfg: TrainConfig, layout: Layout) -> tuple[Any, Any, DataBuild]:
     if d.demo and not blend:
         from megagate.data.demo import prepare_demo_data
 
-        tokenizer, prefix = _rank0_first(lambda: prepare_demo_data(d.demo_dir, d.demo_vocab_size, d.demo_max_bytes))
+        tokenizer, prefix = rank0_first(lambda: prepare_demo_data(d.demo_dir, d.demo_vocab_size, d.demo_max_bytes))
         blend = [prefix]
     if tokenizer is not None:
         from megagate.data.tokenizer import load_tokenizer
@@ -327,24 +212,12 @@ def data_samples(cfg: TrainConfig) -> tuple[int, int]:
     return max(needed, int(built["train"])), max(valid_samples, int(built["valid"]))
 
 
-def _rank0_first(fn: Callable[[], Any]) -> Any:
-    """Run fn on global rank 0 first (it may build cached files), then on the others."""
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if rank == 0:
-        result = fn()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    if rank != 0:
-        result = fn()
-    return result
-
-
 def loader(cfg: TrainConfig, dataset: Any, consumed_samples: int) -> Iterator[dict]:
     """This data-parallel rank's micro-batches of `dataset`, starting after `consumed_samples` global samples."""
     from megatron.core import parallel_state
 
     from megagate.data.loader import build_loader
-    from megagate.train import children
+    from megagate.distributed import children
 
     return iter(
         build_loader(
@@ -385,18 +258,19 @@ def is_logging_rank() -> bool:
     )
 
 
-def build_components(cfg: TrainConfig, world_size: int) -> Components:
+def build_components(setup: RunSetup) -> Components:
     """megatron's parallel state for an initialised torch.distributed world, then every part of the run."""
     from megatron.core.distributed import finalize_model_grads
 
     from megagate.distributed import megatron_cpu
     from megagate.distributed.parallel import initialize_model_parallel
 
-    layout = config_mod.layout(cfg, world_size)
+    cfg, perf = setup.cfg, setup.perf
+    if setup.layout is None:
+        raise MegagateError("a training run set-up needs a layout: resolve(cfg, world_size)")
     megatron_cpu.install()
     megatron_cpu.fix_torch_adam_checkpoint_load()
     initialize_model_parallel(cfg.parallel, seed=cfg.seed)
-    perf = resolved_perf(cfg)
     if perf.cuda_graph_impl != "none":
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -410,9 +284,9 @@ def build_components(cfg: TrainConfig, world_size: int) -> Components:
         )
     if perf.cpu_line():
         log(perf.cpu_line())  # once per run (global rank 0)
-    chunks = build_model_chunks(cfg)
-    ddp = wrap_ddp(cfg, chunks)
-    optimizer, scheduler = build_optimizer(cfg, ddp)
+    chunks = build_model(setup)
+    ddp = wrap_ddp(setup, chunks)
+    optimizer, scheduler = build_optimizer(setup, ddp)
     tconfig = chunks[0].config
     tconfig.finalize_model_grads_func = finalize_model_grads
     tconfig.grad_scale_func = optimizer.scale_loss
@@ -420,5 +294,5 @@ def build_components(cfg: TrainConfig, world_size: int) -> Components:
     if ddp[0].ddp_config.overlap_grad_reduce:
         # Megatron-LM's align_grad_reduce: the schedule launches each chunk's reduce when its last backward ends
         tconfig.grad_sync_func = [c.start_grad_sync for c in ddp] if len(ddp) > 1 else ddp[0].start_grad_sync
-    train_data, valid_data, data = build_data(cfg, layout)
-    return Components(cfg, layout, chunks, ddp, optimizer, scheduler, train_data, valid_data, data)
+    train_data, valid_data, data = build_data(cfg, setup.layout)
+    return Components(setup, chunks, ddp, optimizer, scheduler, train_data, valid_data, data)

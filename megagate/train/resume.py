@@ -15,40 +15,13 @@ order it was trained on and its `schedule`. On resume:
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 from typing import Any
 
-from megagate.config import MEGATRON_LR_STYLE, TrainConfig
+from megagate.checkpoint import architecture
 from megagate.errors import MegagateError
-
-# Fields of ModelConfig that define the weights (their shapes or their meaning); the others (init, rotary base,
-# maximum length, MoE loss coefficients) may change between launches.
-ARCHITECTURE_FIELDS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "head_dim",
-    "vocab_size",
-    "tie_embeddings",
-    "qk_layernorm",
-    "normalization",
-    "num_experts",
-    "moe_router_topk",
-    "moe_ffn_hidden_size",
-)
-
-
-def architecture(cfg: TrainConfig) -> dict[str, Any]:
-    """What defines the model's weights, as stored in a checkpoint (flat keys named like the config's)."""
-    m = cfg.model
-    arch: dict[str, Any] = {f"model.{name}": getattr(m, name) for name in ARCHITECTURE_FIELDS}
-    arch["model.ffn_hidden_size (built)"] = m.effective_ffn_hidden_size
-    for f in dataclasses.fields(m.gate):
-        arch[f"model.gate.{f.name}"] = getattr(m.gate, f.name)
-    return arch
+from megagate.run_config import MEGATRON_LR_STYLE, TrainConfig
 
 
 def file_digest(path: str | os.PathLike) -> str:
@@ -149,7 +122,7 @@ def order_changed(saved: dict[str, Any] | None, dataset: Any) -> bool:
 
 def newest_meta(root: str | os.PathLike) -> dict[str, Any] | None:
     """The metadata of the newest complete checkpoint under `root` whose metadata reads, or None."""
-    from megagate.train import checkpoint as ckpt
+    from megagate import checkpoint as ckpt
 
     for _, path in reversed(ckpt.complete_checkpoints(root)):
         try:

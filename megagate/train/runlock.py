@@ -168,21 +168,16 @@ def lock_for_run(output_dir: str | os.PathLike, checkpoint_dir: str | os.PathLik
 
     Call after torch.distributed is initialised (or in a single process); returns rank 0's locks ([] elsewhere).
     """
-    import torch.distributed as dist
+    from megagate.distributed.utils import broadcast_object, is_global_rank0
 
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if distributed else 0
     locks: list[RunLock] = []
     refusal: str | None = None
-    if rank == 0:
+    if is_global_rank0():
         try:
             locks = lock_run_dirs(output_dir, checkpoint_dir)
         except MegagateError as exc:
             refusal = str(exc)
-    if distributed:
-        box = [refusal]
-        dist.broadcast_object_list(box, src=0)
-        refusal = box[0]
+    refusal = broadcast_object(refusal)
     if refusal is not None:
         raise MegagateError(refusal)
     return locks

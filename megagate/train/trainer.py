@@ -19,70 +19,32 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from megagate.config import TrainConfig
+from megagate import checkpoint as ckpt
+from megagate.console import log
 from megagate.errors import MegagateError
-from megagate.train import checkpoint as ckpt
+from megagate.run_setup import RunSetup
 from megagate.train import components as parts
 from megagate.train import resume as resume_checks
-from megagate.train.metrics import log
-
-if TYPE_CHECKING:
-    from megagate.train.callbacks import Callback
-
-
-@dataclass
-class Update:
-    """This step's update before it is applied (pre_optim_step): callbacks may veto it or scale its LR.
-
-    `loss` and `grad_norm` are the global values (mean over micro-batches and data-parallel ranks; the norm after
-    the reduction), what callbacks judge the step by. A callback may replace them for the callbacks after it
-    (fault injection does); the logged values stay the computed ones.
-    """
-
-    step: int
-    loss: float
-    grad_norm: float
-    lr_scale: float = 1.0
-    skipped: bool = False
-
-    def skip(self) -> None:
-        """Do not apply this update (weights and optimizer state stay as they are; the data moves on)."""
-        self.skipped = True
-
-    def scale_lr(self, factor: float) -> None:
-        """Multiply this update's LR (from the schedule) by `factor`; factors of several callbacks multiply."""
-        self.lr_scale *= factor
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """What post_step callbacks see of a finished step."""
-
-    step: int
-    loss: float  # global mean training loss, as computed
-    grad_norm: float  # global gradient norm before clipping
-    lr: float  # the LR of the update (after scale_lr)
-    step_time: float  # seconds, data loading included
-    applied: bool  # False: the update was skipped (by a callback, or by the optimizer on non-finite gradients)
+from megagate.train.callbacks.base import Callback, StepOutput, Update, in_priority_order
 
 
 class Trainer:
     """Steps the components of a run with the callbacks' hooks around each step (every rank runs the same calls)."""
 
-    def __init__(self, cfg: TrainConfig, components: parts.Components, callbacks: Sequence[Callback] = ()) -> None:
-        self.cfg = cfg
+    def __init__(self, components: parts.Components, callbacks: Sequence[Callback] = ()) -> None:
+        self.setup = components.setup
+        self.cfg = cfg = components.setup.cfg
         self.components = components
         self.layout = components.layout
         self.model, self.ddp = components.model, components.ddp
         self.optimizer, self.scheduler = components.optimizer, components.scheduler
-        self.callbacks = list(callbacks)
+        self.callbacks = in_priority_order(callbacks)
         keys = [cb.state_key for cb in self.callbacks if cb.state_key]
         if len(keys) != len(set(keys)):
             raise MegagateError(f"two callbacks share a checkpoint state key: {sorted(keys)}")
@@ -214,7 +176,7 @@ class Trainer:
             "optimizer_format": self.cfg.checkpoint.optimizer_format,
             "config": self.cfg.raw,
             # what a resume checks (megagate.train.resume)
-            "architecture": resume_checks.architecture(self.cfg),
+            "architecture": ckpt.architecture(self.cfg),
             "data_order": self._data_order,
             "schedule": resume_checks.schedule(self.cfg),
             "data_samples": None if data is None else {"train": data.train_samples, "valid": data.valid_samples},
@@ -223,6 +185,7 @@ class Trainer:
         }
         path = self.checkpointer.save(self.step, self.model, self.optimizer, meta)
         log(f"saved checkpoint {path}")
+        self._call("post_checkpoint_saved", path, self.step)
         return path
 
     def restore(self, path: Path) -> dict[str, Any]:
@@ -361,14 +324,14 @@ def _global_loss(results: list[dict]) -> float:
 
 
 def train(
-    cfg: TrainConfig,
-    world_size: int,
+    setup: RunSetup,
     callbacks: Sequence[Callback] | None = None,
     extra_callbacks: Sequence[Callback] = (),
 ) -> dict[str, Any]:
-    """Build the run's components and train them (`callbacks`: default_callbacks(cfg), then `extra_callbacks`)."""
+    """Build the run's components and train them (`callbacks`: default_callbacks(setup), plus `extra_callbacks`;
+    all run in priority order)."""
     from megagate.train.callbacks import default_callbacks
 
-    components = parts.build_components(cfg, world_size)
-    chosen = list(default_callbacks(cfg) if callbacks is None else callbacks) + list(extra_callbacks)
-    return Trainer(cfg, components, chosen).fit()
+    components = parts.build_components(setup)
+    chosen = list(default_callbacks(setup) if callbacks is None else callbacks) + list(extra_callbacks)
+    return Trainer(components, chosen).fit()

@@ -154,15 +154,15 @@ def test_resume_accepts_changed_position_embedding(run_dir):
     through, and still refuses a change of a weight-defining field."""
     import copy
 
-    from megagate import config as config_mod
+    from megagate import checkpoint as ckpt
+    from megagate import config_reader
     from megagate.errors import MegagateError
-    from megagate.train import checkpoint as ckpt
     from megagate.train.resume import check_compatible
 
     meta = ckpt.read_meta(run_dir / "checkpoints" / "iter_0000012")
     raw = copy.deepcopy(meta["config"])
     raw["model"].update(position_embedding="yarn", yarn_factor=4.0, rotary_base=1_000_000, max_sequence_length=512)
-    check_compatible(meta, config_mod.from_dict(raw, environment=False))
+    check_compatible(meta, config_reader.from_dict(raw, environment=False))
     raw["model"]["num_layers"] = 4
     with pytest.raises(MegagateError, match="num_layers 2 -> 4"):
-        check_compatible(meta, config_mod.from_dict(raw, environment=False))
+        check_compatible(meta, config_reader.from_dict(raw, environment=False))

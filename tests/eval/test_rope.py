@@ -11,7 +11,7 @@ import torch
 
 from megagate.errors import ConfigError
 from megagate.model.build import build_gpt_model, transformer_config
-from megagate.model.config import model_preset
+from megagate.model.presets import model_preset
 
 SEQ = 96
 
@@ -160,8 +160,8 @@ def test_bad_position_settings_are_one_line(fields, message):
 
 
 def test_position_fields_stay_out_of_resume_checks():
-    from megagate.model.config import POSITION_FIELDS
-    from megagate.train.resume import ARCHITECTURE_FIELDS
+    from megagate.checkpoint.naming import ARCHITECTURE_FIELDS
+    from megagate.model.model_config import POSITION_FIELDS
 
     assert not set(POSITION_FIELDS) & set(ARCHITECTURE_FIELDS)
     assert "max_sequence_length" not in ARCHITECTURE_FIELDS

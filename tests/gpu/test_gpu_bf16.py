@@ -27,7 +27,7 @@ def _attention(gate, model_name="tiny", **overrides):
     from megatron.core.transformer.spec_utils import build_module
 
     from megagate.model.build import transformer_config
-    from megagate.model.config import model_preset
+    from megagate.model.presets import model_preset
     from megagate.model.spec import gated_layer_spec
 
     model = model_preset(model_name, gate=gate, **overrides)
@@ -80,7 +80,7 @@ def test_paper_width_layer_bf16_forward_backward(world, variant):
     """A 1.7B-28L-width gated GPT (2 layers) trains a step in bf16 without NaNs; gate scores stay in (0, 1)."""
     from megagate.model import gate as gates
     from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.model.config import model_preset
+    from megagate.model.presets import model_preset
 
     model = model_preset("1.7b-28l", gate=gates.preset(variant), num_layers=2, vocab_size=32768)
     gpt = build_gpt_model(model, transformer_config(model, params_dtype=torch.bfloat16)).cuda()

@@ -17,9 +17,9 @@ def world():
 
 def _experts(grouped: bool) -> torch.nn.Module:
     from megagate.model import gate as gates
+    from megagate.model import init
     from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.model.config import model_preset
-    from megagate.train import init
+    from megagate.model.presets import model_preset
 
     mc = model_preset(
         "tiny-moe",

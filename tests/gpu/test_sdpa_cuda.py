@@ -22,8 +22,8 @@ def _modules(np_, ng, hn):
     from megatron.core.transformer.enums import AttnMaskType
 
     from megagate.model.build import transformer_config
-    from megagate.model.config import model_preset
     from megagate.model.core_attention import SDPACoreAttention
+    from megagate.model.presets import model_preset
 
     model = model_preset("tiny", num_attention_heads=np_, num_query_groups=ng, head_dim=hn, hidden_size=np_ * hn)
     config = transformer_config(model, params_dtype=torch.bfloat16)
@@ -68,7 +68,7 @@ def test_each_backend_equals_local_bf16(world, backend, masked):
 def test_flash_runs_gqa_causal_and_backends_are_reported(world):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from megagate.model.spec import core_attention_name
+    from megagate.model.kernels import core_attention_name
 
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("flash attention needs sm80+")

@@ -11,7 +11,7 @@ torch-native fused module, is tests/model/test_input_norm.py.
 import pytest
 import torch
 
-from megagate.model.spec import transformer_engine_available
+from megagate.model.kernels import transformer_engine_available
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,7 +40,7 @@ def _layers(variant: str, **overrides):
 
     from megagate.model import gate as gates
     from megagate.model.build import transformer_config
-    from megagate.model.config import model_preset
+    from megagate.model.presets import model_preset
     from megagate.model.spec import gated_layer_spec
 
     gate = gates.preset(variant)

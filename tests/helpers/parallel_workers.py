@@ -13,7 +13,8 @@ from megagate.distributed.parallel import initialize_model_parallel
 from megagate.model import gate as gates
 from megagate.model.attention import GatedSelfAttention
 from megagate.model.build import build_gpt_model, transformer_config
-from megagate.model.config import ParallelConfig, model_preset
+from megagate.model.model_config import ParallelConfig
+from megagate.model.presets import model_preset
 
 SEQ, BATCH = 12, 4
 

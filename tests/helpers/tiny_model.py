@@ -1,7 +1,7 @@
 """A tiny real megatron GPTModel built through megagate.model, and real-text token batches, for unit tests.
 
 Call inside a megatron world (the `megatron_world` fixture or `megagate.distributed.parallel.single_process`):
-the model is initialised by the trainer's own layout-independent initialiser (megagate.train.init).
+the model is initialised by the trainer's own layout-independent initialiser (megagate.model.init).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from megagate.model import gate as gates
+from megagate.model import init
 from megagate.model.build import build_gpt_model, transformer_config
-from megagate.model.config import model_preset
-from megagate.train import init
+from megagate.model.presets import model_preset
 
 STDLIB_FILES = ("argparse.py", "textwrap.py", "difflib.py", "pathlib.py", "json/decoder.py", "inspect.py")
 

@@ -202,6 +202,10 @@ def _test_callbacks(job: dict, out: Path) -> list[Any]:
         def post_step(self, trainer: Any, output: Any) -> None:
             self._record("post_step", output.step)
 
+        def post_checkpoint_saved(self, trainer: Any, path: Any, step: int) -> None:
+            assert Path(path).name == f"iter_{step:07d}" and (Path(path) / "manifest.json").is_file()
+            self._record("post_checkpoint_saved", step)
+
         def on_end(self, trainer: Any) -> None:
             self._record("on_end")
 
@@ -221,15 +225,16 @@ def _run_one(job: dict) -> tuple[int, str]:
 
     if not job["snapshots"] and not job["hooks"]:
         return cli.main(["train", *job["argv"]]), ""
-    from megagate import config as config_mod
+    from megagate import config_reader
     from megagate.distributed import parallel
+    from megagate.run_setup import resolve
     from megagate.train.trainer import train
 
-    cfg = config_mod.load(job["argv"][1], job["argv"][2:])
+    cfg = config_reader.load(job["argv"][1], job["argv"][2:])
     out = Path(job["dir"])
     parallel.init_distributed(0, 1, str(out / "rendezvous"), backend="gloo")
     try:
-        train(cfg, 1, extra_callbacks=_test_callbacks(job, out))
+        train(resolve(cfg, 1), extra_callbacks=_test_callbacks(job, out))
         return 0, ""
     except MegagateError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -154,7 +154,7 @@ def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def final_checkpoint(out: Path) -> Path:
-    from megagate.train.checkpoint import latest
+    from megagate.checkpoint import latest
 
     path = latest(out / "checkpoints")
     assert path is not None and path.name == f"iter_{STEPS:07d}", f"{out}: final checkpoint {path}"

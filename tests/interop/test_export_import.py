@@ -65,7 +65,7 @@ def transformers_folder(model_cfg, fmt: str, folder: Path, seed: int = 0) -> Pat
 
 def _tiny(preset: str, gate: str, **overrides):
     from megagate.model import gate as gates
-    from megagate.model.config import model_preset
+    from megagate.model.presets import model_preset
 
     return model_preset(preset, gate=gates.preset(gate), vocab_size=256, **overrides)
 
@@ -139,10 +139,12 @@ def test_trained_checkpoint_round_trip_is_bit_identical(trained, exported, tmp_p
 def test_paper_format_round_trip(gate, tmp_path, megatron_world):
     """The paper's released layout (gate rows inside q_proj per KV group; no transformers class holds it): a
     megatron-initialised checkpoint -> export --format paper -> import is bit-identical."""
-    from megagate.interop.hf_io import build_model, export_checkpoint, import_hf, model_state, write_checkpoint
+    from megagate.interop.hf_io import export_checkpoint, import_hf, model_from_state, model_state, write_checkpoint
 
     model_cfg = _tiny("tiny", gate)
-    write_checkpoint(build_model(model_cfg, model_state(_random_model(model_cfg))), model_cfg, tmp_path / "a", log=str)
+    write_checkpoint(
+        model_from_state(model_cfg, model_state(_random_model(model_cfg))), model_cfg, tmp_path / "a", log=str
+    )
     export_checkpoint(tmp_path / "a", tmp_path / "paper", "paper", log=str)
     config = json.loads((tmp_path / "paper" / "config.json").read_text())
     assert config[f"{gate[3:]}_attn_output_gate"] is True and config["model_type"] == "qwen3"
@@ -184,7 +186,7 @@ def _megagate_greedy(model, prompt: list[int], steps: int) -> list[int]:
 def test_transformers_loads_and_greedy_decodes_like_megagate(trained, exported, megatron_world):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megagate.train.load import load_model_for_analysis
+    from megagate.commands.analyze import load_model_for_analysis
 
     model, encode = load_model_for_analysis(trained)
     text = "def read_file(path):\n    with open(path) as f:"
@@ -218,9 +220,9 @@ def test_greedy_tokens_of_random_models_match_transformers(case, tmp_path, megat
     transformers' greedy `generate` on the folder and megagate's greedy loop on its import agree token for token."""
     from transformers import AutoModelForCausalLM
 
+    from megagate.commands.analyze import load_model_for_analysis
     from megagate.interop import hf
     from megagate.interop.hf_io import import_hf
-    from megagate.train.load import load_model_for_analysis
 
     # untied: a tied random model's argmax is mostly the last token itself (its own embedding)
     model_cfg = dataclasses.replace(CASES[case](), tie_embeddings=False)
@@ -280,11 +282,11 @@ def _refused(argv: list[str], capsys) -> str:
 
 
 def test_refusals(trained, exported, tmp_path, megatron_world, capsys):
-    from megagate.interop.hf_io import build_model, model_state, write_checkpoint
+    from megagate.interop.hf_io import model_from_state, model_state, write_checkpoint
 
     # a variant no format holds (G2: a gate on the values) is refused naming it; nothing is written
     g2 = _tiny("tiny", "g2-elementwise")
-    source = build_model(g2, model_state(_random_model(g2)))
+    source = model_from_state(g2, model_state(_random_model(g2)))
     write_checkpoint(source, g2, tmp_path / "g2", log=lambda m: None)
     err = _refused(["export", str(tmp_path / "g2"), "--out", str(tmp_path / "out_g2")], capsys)
     assert "g2" in err and not (tmp_path / "out_g2").exists()
@@ -315,7 +317,7 @@ def _random_model(model_cfg):
     """A megagate model of `model_cfg` with megatron's own random initialisation."""
     from megagate.distributed import megatron_cpu
     from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.model.config import ParallelConfig
+    from megagate.model.model_config import ParallelConfig
 
     megatron_cpu.install()
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ from megagate.errors import ConfigError
 from megagate.interop import hf
 from megagate.model import gate as gates
 from megagate.model import qkv_layout as layout
-from megagate.model.config import ModelConfig
+from megagate.model.model_config import ModelConfig
 
 N, G, D, H = 6, 3, 8, 40
 

@@ -19,7 +19,7 @@ from megagate.interop import hf
 from megagate.model import gate as gates
 from megagate.model import qkv_layout
 from megagate.model.build import build_gpt_model, transformer_config
-from megagate.model.config import ModelConfig
+from megagate.model.model_config import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3 import modeling_qwen3  # noqa: E402

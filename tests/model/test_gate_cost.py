@@ -14,7 +14,7 @@ import torch
 
 from megagate.model import gate as gates
 from megagate.model.build import build_gpt_model, transformer_config
-from megagate.model.config import model_preset
+from megagate.model.presets import model_preset
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks" / "bench_gate_cost.py"

@@ -16,10 +16,10 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from helpers import tiny_model
 from megagate.model import gate as gates
+from megagate.model import init
 from megagate.model.build import build_gpt_model, transformer_config
-from megagate.model.config import model_preset
 from megagate.model.experts import TorchGroupedMLP, _probe, unsupported_reason
-from megagate.train import init
+from megagate.model.presets import model_preset
 
 SEQ = 12
 

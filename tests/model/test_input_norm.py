@@ -14,8 +14,8 @@ from megatron.core.transformer.spec_utils import build_module
 from megagate.model import attention as attention_module
 from megagate.model import gate as gates
 from megagate.model.build import transformer_config
-from megagate.model.config import model_preset
 from megagate.model.fused_norm import NormColumnParallelLinear, apply_norm, fuse_input_norm, has_fused_norm
+from megagate.model.presets import model_preset
 from megagate.model.spec import gated_layer_spec
 
 SEQ, BATCH = 8, 2  # even: sequence parallelism splits it in two
@@ -165,7 +165,7 @@ def sp_worker(rank: int, world: int, variants: list[str]) -> dict[str, dict[str,
 
     from helpers.parallel_workers import _shard
     from megagate.distributed.parallel import initialize_model_parallel
-    from megagate.model.config import ParallelConfig
+    from megagate.model.model_config import ParallelConfig
 
     report = {}
     for variant in variants:

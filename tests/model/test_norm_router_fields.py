@@ -12,8 +12,8 @@ import torch
 
 from helpers import distributed, tiny_model
 from megagate.errors import ConfigError
-from megagate.model.config import model_preset
 from megagate.model.norms import ZeroCenteredRMSNorm
+from megagate.model.presets import model_preset
 
 SEQ = 10
 
@@ -59,9 +59,9 @@ def test_zero_centered_model_equals_plain_model_at_init(megatron_world):
 def _tp2_logits(rank: int, world_size: int) -> tuple[torch.Tensor, list[str]]:
     from megagate.distributed.parallel import initialize_model_parallel
     from megagate.model import gate as gates
+    from megagate.model import init
     from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.model.config import ParallelConfig
-    from megagate.train import init
+    from megagate.model.model_config import ParallelConfig
 
     parallel = ParallelConfig(tensor_model_parallel_size=world_size)
     initialize_model_parallel(parallel, seed=5)

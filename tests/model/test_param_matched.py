@@ -14,7 +14,8 @@ import pytest
 
 from megagate.model import gate as gates
 from megagate.model.build import meta_parameter_count
-from megagate.model.config import PRESETS, matched_ffn_width, model_preset
+from megagate.model.model_config import matched_ffn_width
+from megagate.model.presets import PRESETS, model_preset
 
 VARIANTS = ("g1-elementwise", "g1-headwise", "sandwich-norm")
 DENSE = ("tiny", "1.7b-28l", "1.7b-48l")

@@ -15,9 +15,10 @@ from megatron.core.transformer.spec_utils import build_module
 from megagate.errors import ConfigError
 from megagate.model import gate as gates
 from megagate.model.build import build_gpt_model, transformer_config
-from megagate.model.config import model_preset
 from megagate.model.core_attention import SDPACoreAttention
-from megagate.model.spec import core_attention_name, gated_layer_spec, resolve_core_attention
+from megagate.model.kernels import core_attention_name, resolve_core_attention
+from megagate.model.presets import model_preset
+from megagate.model.spec import gated_layer_spec
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 

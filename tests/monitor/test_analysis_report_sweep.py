@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from helpers import tiny_model, trainer_jobs
+from megagate.analysis import analyze, report
 from megagate.commands import analyze as analyze_cmd
 from megagate.commands import sweep
 from megagate.errors import ConfigError, MegagateError
-from megagate.monitor import analyze, diagnostics, report, runfiles
+from megagate.files import write_atomic
+from megagate.monitor import diagnostics, runfiles
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -95,7 +97,7 @@ def test_report_aggregates_real_runs(report_runs, tmp_path):
     # a diverged run: NaN loss from step 5, no summary (it crashed)
     bad = sweep_dir / "base_lr1"
     bad.mkdir()
-    runfiles.write_atomic(bad / runfiles.CONFIG, "seed: 0\ntrain: {lr: 1.0}\nmodel: {gate: {preset: baseline}}\n")
+    write_atomic(bad / runfiles.CONFIG, "seed: 0\ntrain: {lr: 1.0}\nmodel: {gate: {preset: baseline}}\n")
     for step in range(1, 8):
         runfiles.write_metrics(
             bad, step, "train", loss=6.0 if step < 5 else math.nan, lr=1.0, grad_norm=1.0, tokens_per_s=1.0
@@ -174,12 +176,13 @@ def test_expand_grid():
 STAND_IN_TRAINER = textwrap.dedent('''
     """Stands in for `megagate train` until the trainer exists: parses the argv contract, writes run files."""
     import math, sys
+    from megagate.files import write_atomic
     from megagate.monitor import runfiles
     args = sys.argv[1:]
     assert args[0] == "--config"
     kv = dict(a.split("=", 1) for a in args[2:])
     out, lr, seed = kv["output.dir"], float(kv["train.lr"]), int(kv["seed"])
-    runfiles.write_atomic(out + "/config.yaml", f"seed: {seed}\\ntrain: {{lr: {lr}}}\\nmodel: {{gate: {{preset: {kv['model.gate.preset']}}}}}\\n")
+    write_atomic(out + "/config.yaml", f"seed: {seed}\\ntrain: {{lr: {lr}}}\\nmodel: {{gate: {{preset: {kv['model.gate.preset']}}}}}\\n")
     loss = 2.0 + lr * 100 + seed * 0.01
     for step in range(1, 4):
         runfiles.write_metrics(out, step, "train", loss=loss + 3 - step, lr=lr, grad_norm=1.0, tokens_per_s=1.0)

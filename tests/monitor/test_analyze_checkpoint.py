@@ -56,9 +56,9 @@ def saved_model_tensors(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
 
 
 def test_load_model_for_analysis_has_the_trained_weights(trained: Path, megatron_world, tmp_path: Path) -> None:
+    from megagate.analysis.analyze import SAMPLE_TEXT
+    from megagate.commands.analyze import load_model_for_analysis
     from megagate.data.tokenizer import load_tokenizer
-    from megagate.monitor.analyze import SAMPLE_TEXT
-    from megagate.train.load import load_model_for_analysis
 
     model, encode = load_model_for_analysis(trained)
     assert not model.training
@@ -76,10 +76,10 @@ def test_load_model_for_analysis_has_the_trained_weights(trained: Path, megatron
         assert torch.equal(sh.data, expected), sh.key
         compared += 1
     assert compared == 2 * 7 + 2  # 7 tensors per layer (gate fused into linear_qkv), embedding, final norm
-    from megagate import config as config_mod
-    from megagate.train import checkpoint as ckpt
+    from megagate import checkpoint as ckpt
+    from megagate import config_reader
 
-    cfg = config_mod.from_dict(ckpt.read_meta(trained)["config"])
+    cfg = config_reader.from_dict(ckpt.read_meta(trained)["config"])
     ids = encode(SAMPLE_TEXT)
     tok_path = Path(cfg.data.demo_dir) / "data-v2048-b1500000" / "tokenizer.json"
     assert ids == load_tokenizer(tok_path).encode(SAMPLE_TEXT).tolist()
@@ -114,15 +114,15 @@ def test_analysis_reproduces_the_live_diagnostics(trained: Path, megatron_world)
     """The checkpoint's model on the trainer's probe batch gives the numbers the trainer logged at that step."""
     import json
 
-    from megagate import config as config_mod
+    from megagate import checkpoint as ckpt
+    from megagate import config_reader, run_config
+    from megagate.commands.analyze import load_model_for_analysis
     from megagate.monitor import diagnostics
-    from megagate.train import checkpoint as ckpt
     from megagate.train import components
-    from megagate.train.load import load_model_for_analysis
 
     model, _ = load_model_for_analysis(trained)
-    cfg = config_mod.from_dict(ckpt.read_meta(trained)["config"])
-    _, valid, _ = components.build_data(cfg, config_mod.layout(cfg, 1))
+    cfg = config_reader.from_dict(ckpt.read_meta(trained)["config"])
+    _, valid, _ = components.build_data(cfg, run_config.layout(cfg, 1))
     probe = next(components.loader(cfg, valid, 0))  # the trainer's probe: the first validation micro-batch
     ours = diagnostics.records(STEPS, diagnostics.collect(model, probe["tokens"], probe["position_ids"]))
     lines = (trained.parent.parent / "diagnostics.jsonl").read_text().splitlines()
@@ -135,8 +135,8 @@ def test_analysis_reproduces_the_live_diagnostics(trained: Path, megatron_world)
 
 
 def test_analyze_rejects_a_folder_without_checkpoint(tmp_path: Path) -> None:
+    from megagate.commands.analyze import load_model_for_analysis
     from megagate.errors import MegagateError
-    from megagate.train.load import load_model_for_analysis
 
     with pytest.raises(MegagateError, match="megagate.json"):
         load_model_for_analysis(tmp_path)

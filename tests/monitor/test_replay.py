@@ -6,10 +6,11 @@ import math
 
 import pytest
 
+from megagate.analysis.replay import parse_settings, replay_events
 from megagate.cli import main
 from megagate.errors import ConfigError, MegagateError
+from megagate.files import write_atomic
 from megagate.monitor import runfiles
-from megagate.monitor.replay import parse_settings, replay_events
 
 STEPS = 80
 
@@ -56,7 +57,7 @@ def test_replay_flags_the_spike_once_armed():
 def test_report_command_replays(tmp_path, capsys):
     run = tmp_path / "sweep" / "baseline_lr1_s0"
     run.mkdir(parents=True)
-    runfiles.write_atomic(run / runfiles.CONFIG, "seed: 0\ntrain: {lr: 1.0}\nmodel: {gate: {preset: baseline}}\n")
+    write_atomic(run / runfiles.CONFIG, "seed: 0\ntrain: {lr: 1.0}\nmodel: {gate: {preset: baseline}}\n")
     for r in rows(spike_at=15):
         runfiles.write_metrics(run, r["step"], "train", loss=r["loss"], grad_norm=r["grad_norm"], lr=1.0)
     assert main(["report", str(tmp_path / "sweep")]) == 0

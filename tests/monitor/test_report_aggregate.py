@@ -2,7 +2,7 @@
 and the offline curve-spike judgement against the spike monitor's events, on hand-made curves with known answers.
 
 The run folders are written in the runfiles schema the way the trainer writes them: config.yaml is the example
-config with the sweep point's overrides applied (megagate.config.apply_overrides, dumped like the trainer's
+config with the sweep point's overrides applied (megagate.config_reader.apply_overrides, dumped like the trainer's
 MetricsLogger), metrics/events/diagnostics lines through runfiles' own writers, summary.json by write_summary,
 sweep.json by `megagate sweep`'s own writer.
 """
@@ -20,11 +20,13 @@ import torch
 import yaml
 
 from megagate import cli
+from megagate.analysis import aggregate, report
+from megagate.analysis.aggregate import CurveSpike, SpikeRule, curve_spikes, match_events
 from megagate.commands import sweep
-from megagate.config import apply_overrides
+from megagate.config_reader import apply_overrides
 from megagate.errors import MegagateError
-from megagate.monitor import aggregate, report, runfiles
-from megagate.monitor.aggregate import CurveSpike, SpikeRule, curve_spikes, match_events
+from megagate.files import write_atomic
+from megagate.monitor import runfiles
 from megagate.monitor.diagnostics import attention_logits, attention_stats
 from megagate.yamlfile import load_mapping
 
@@ -76,7 +78,7 @@ def diag(variant: str, seed: int, step: int) -> list[dict]:
 
 def write_run(run_dir: Path, overrides: list[str], qk: bool, variant: str, lr: float, seed: int) -> None:
     raw = apply_overrides(load_mapping(CONFIG), overrides)
-    runfiles.write_atomic(run_dir / runfiles.CONFIG, yaml.safe_dump(raw, sort_keys=False))
+    write_atomic(run_dir / runfiles.CONFIG, yaml.safe_dump(raw, sort_keys=False))
     final = final_loss(qk, variant, lr, seed)
     losses = curve(final, seed)
     events: list[int] = []

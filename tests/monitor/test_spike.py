@@ -17,9 +17,9 @@ import torch
 from helpers import trainer_jobs
 from megagate.errors import ConfigError, MegagateError
 from megagate.monitor import runfiles
-from megagate.monitor.config import MonitorConfig
 from megagate.monitor.events import EventLog
 from megagate.monitor.faults import Fault, FaultInjector
+from megagate.monitor.settings import MonitorConfig
 from megagate.monitor.spike import (
     SpikeMonitor,
     SpikeMonitorConfig,
@@ -292,7 +292,7 @@ def test_rollback_restores_and_skips_the_window(runs):
     # step 26 reads batch 28 (batches 26 and 27 are dropped), so its loss differs
     assert [r["loss"] for r in first[:5]] == [r["loss"] for r in replayed[:5]]
     assert first[5]["step"] == replayed[5]["step"] == 26 and first[5]["loss"] != replayed[5]["loss"]
-    from megagate.train import checkpoint
+    from megagate import checkpoint
 
     meta = checkpoint.read_meta(checkpoint.latest(run.dir / "checkpoints"))
     assert meta["step"] == 40 and meta["x_monitor"]["rollbacks"] == [
@@ -311,7 +311,7 @@ def test_abort_saves_and_stops_with_an_error(runs):
     assert {e["step"] for e in events} == {K_ABORT} and events[0]["metric"] == "loss"
     assert events[0]["value"] > math.log(2048) > events[0]["baseline"] + 0.5
     assert max(run.by_step()) == K_ABORT
-    from megagate.train import checkpoint
+    from megagate import checkpoint
 
     assert checkpoint.latest(run.dir / "checkpoints").name == f"iter_{K_ABORT:07d}"
     s = run.summary()
@@ -413,7 +413,7 @@ def test_event_log_jsonl_and_tensorboard(tmp_path):
 def test_replayed_monitor_equals_the_trainers_events(runs):
     """`megagate report --replay-monitor` replays the monitor over the logged curve: at the trainer's own settings it
     must give exactly the steps the trainer flagged (clean runs, and a run whose skipped step was NaN)."""
-    from megagate.monitor.replay import parse_settings, replay_events
+    from megagate.analysis.replay import parse_settings, replay_events
 
     flagged = 0
     for name in ("g1-elementwise@3e-3", "baseline@1e-2", "skip"):

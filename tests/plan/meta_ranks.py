@@ -31,7 +31,8 @@ def main(argv: list[str]) -> None:
     from megagate.distributed import megatron_cpu
     from megagate.model import gate as gates
     from megagate.model.build import build_gpt_model, transformer_config
-    from megagate.model.config import ParallelConfig, model_preset
+    from megagate.model.model_config import ParallelConfig
+    from megagate.model.presets import model_preset
 
     megatron_cpu.install()
     # tied embeddings across stages: megatron all-reduces the embedding copy at construction; meta tensors have no

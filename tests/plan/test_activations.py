@@ -12,7 +12,7 @@ import torch
 
 from megagate.model import gate as gates
 from megagate.model.build import build_gpt_model, transformer_config
-from megagate.model.config import model_preset
+from megagate.model.presets import model_preset
 from megagate.plan import memory as mem
 
 TOLERANCE = 0.02

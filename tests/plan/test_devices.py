@@ -4,7 +4,7 @@ each precision, and the MFU metrics a run logs (named by the peak's precision)."
 import pytest
 
 from megagate.plan.devices import DEVICES, from_cuda_name
-from megagate.train.metrics import mfu_peaks
+from megagate.train.metric_writer import mfu_peaks
 
 
 @pytest.mark.parametrize(

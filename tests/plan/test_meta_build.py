@@ -16,7 +16,7 @@ import pytest
 
 from helpers import forked
 from megagate.model import gate as gates
-from megagate.model.config import model_preset
+from megagate.model.presets import model_preset
 from megagate.plan.params import RankShape, chunk_params, rank_buffers
 
 HERE = os.path.dirname(__file__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megagate import config as config_mod
+from megagate import config_reader
 from megagate.plan import plan
 from megagate.plan.devices import GB, from_cuda_name
 
@@ -12,7 +12,7 @@ CONFIG = "slurm/examples/configs/15a2b_moe.yaml"
 
 
 def _cfg(*overrides: str):
-    return config_mod.load(CONFIG, ["train.micro_batch_size=1", *overrides], environment=False)
+    return config_reader.load(CONFIG, ["train.micro_batch_size=1", *overrides], environment=False)
 
 
 def test_15a2b_on_8x8_h100_fits_with_the_issue_figures() -> None:

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megagate import config as config_mod
+from megagate import config_reader, run_config
 from megagate.model.gate_params import gate_parameters
 from megagate.plan import memory as mem
 from megagate.plan import plan
@@ -76,8 +76,8 @@ CASES = {
 def _cfg(case: str, *extra: str):
     world, overrides = CASES[case]
     base = ["train.micro_batch_size=1", "train.backend=te", *overrides, *extra]
-    cfg = config_mod.load(CONFIG, base, environment=False)
-    return cfg, config_mod.layout(cfg, world), world
+    cfg = config_reader.load(CONFIG, base, environment=False)
+    return cfg, run_config.layout(cfg, world), world
 
 
 def _with(args: SimpleNamespace, **changes: object) -> SimpleNamespace:

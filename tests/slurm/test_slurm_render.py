@@ -14,8 +14,8 @@ import pytest
 from megagate.commands import submit as submit_cmd
 from megagate.distributed.layout import layout
 from megagate.errors import ConfigError
-from megagate.model.config import ParallelConfig
-from megagate.model.spec import transformer_engine_available
+from megagate.model.kernels import transformer_engine_available
+from megagate.model.model_config import ParallelConfig
 from megagate.slurm import (
     SlurmRequest,
     check_job,

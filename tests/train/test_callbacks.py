@@ -36,15 +36,20 @@ def test_hook_order_and_a_restore_that_drops_the_step(hook_run: trainer_jobs.Run
     def step(s: int, hooks: tuple[str, ...] = STEP_HOOKS) -> list[tuple]:
         return [(hook, s) for hook in hooks]
 
+    def saved(s: int) -> list[tuple]:
+        # checkpoint.interval=2: Checkpointing (priority 20) saves in its post_step, before the test callback's (0)
+        return step(s)[:-1] + [("post_checkpoint_saved", s), ("post_step", s)] if s % 2 == 0 else step(s)
+
     expected = [("on_start", None)]
     for s in range(1, K):
-        expected += step(s)
-    # the spike monitor (before the test callback in the list) restores during pre_optim_step: the later callbacks'
+        expected += saved(s)
+    # the spike monitor (priority 70, before the test callback) restores during pre_optim_step: the later callbacks'
     # pre_optim_step and every post_step of that step are not called, and the loop goes on after step 4
     expected += step(K, STEP_HOOKS[:3])
     for s in range(K, 7):
         expected += step(s)
-    expected += [("on_end", None), ("on_close", None)]
+    # the final checkpoint is saved (Evaluation's on_end: before the final validation) before the test's on_end
+    expected += [("post_checkpoint_saved", 6), ("on_end", None), ("on_close", None)]
     assert hook_run.hooks() == expected
     assert "rollback: spike at step 5; restored step 4" in hook_run.log
     assert [r["step"] for r in hook_run.train_records()] == [1, 2, 3, 4, 5, 6]  # the dropped step 5 is not logged
@@ -52,11 +57,11 @@ def test_hook_order_and_a_restore_that_drops_the_step(hook_run: trainer_jobs.Run
 
 @pytest.mark.slow
 def test_callback_state_is_in_every_checkpoint(hook_run: trainer_jobs.Run) -> None:
-    from megagate.train import checkpoint
+    from megagate import checkpoint
 
     final = checkpoint.read_meta(checkpoint.latest(hook_run.dir / "checkpoints"))
-    # saved by Checkpointing.on_end, before the test callback's own on_end and on_close
-    assert final["step"] == 6 and final["x_hook_log"] == {"calls": len(hook_run.hooks()) - 2}
+    # saved at the end before the test callback heard of it (post_checkpoint_saved), and before its on_end, on_close
+    assert final["step"] == 6 and final["x_hook_log"] == {"calls": len(hook_run.hooks()) - 3}
     assert final["x_monitor"]["rollbacks"] == [{"event_step": K, "restore_step": 4, "skip_first": K, "skip_last": K}]
     assert final["x_faults"] == {"fired": [0]}  # the fault fired once: the replayed step 5 ran clean
 
@@ -98,10 +103,10 @@ def closure(module: str) -> set[str]:
 @pytest.mark.parametrize(
     "module",
     [
-        "megagate.train.load",
+        "megagate.model_factory",
         "megagate.commands.analyze",
-        "megagate.monitor.analyze",
-        "megagate.monitor.report",
+        "megagate.analysis.analyze",
+        "megagate.analysis.report",
         "megagate.train.components",
         "megagate.train.callbacks.base",
     ],
@@ -113,10 +118,55 @@ def test_analysis_and_setup_do_not_import_the_loop(module: str) -> None:
 def test_monitor_imports_neither_the_config_reader_nor_the_trainer() -> None:
     for path in sorted((PACKAGE / "monitor").glob("*.py")):
         deps = closure(f"megagate.monitor.{path.stem}")
-        assert not {d for d in deps if d == "megagate.config" or d.startswith("megagate.train")}, path.name
+        assert not {d for d in deps if d.startswith(("megagate.run_config", "megagate.config_", "megagate.train"))}, (
+            path.name
+        )
 
 
 def test_callbacks_reach_the_trainer_only_through_the_hooks() -> None:
     for path in sorted((PACKAGE / "train" / "callbacks").glob("*.py")):
         name = "megagate.train.callbacks" + ("" if path.stem == "__init__" else f".{path.stem}")
         assert "megagate.train.trainer" not in closure(name), path.name
+
+
+def test_callback_order_is_declared_by_priority() -> None:
+    from megagate import config_reader
+    from megagate.run_setup import resolve
+    from megagate.train.callbacks import Callback, default_callbacks
+    from megagate.train.callbacks.base import in_priority_order
+
+    raw = {"model": {"preset": "tiny"}, "data": {"mock": True}, "train": {"train_steps": 10, "warmup_steps": 2}}
+    raw["monitor"] = {"spike": {"action": "skip"}, "faults": [{"step": 2, "kind": "scale_loss"}]}
+    raw["monitor"]["diagnostics"] = {"interval": 5}
+    raw["perf"] = {"manual_gc_interval": 3, "profile": {"steps": [2, 3]}}
+    cfg = config_reader.from_dict(raw, environment=False)
+
+    class Mine(Callback):
+        pass
+
+    given = [Mine(), *reversed(default_callbacks(resolve(cfg, 1)))]  # list position no longer matters
+    order = [type(cb).__name__ for cb in in_priority_order(given)]
+    assert order == [
+        "StopChecks",
+        "MetricsLogger",
+        "FaultInjection",
+        "SpikeMonitoring",
+        "LiveDiagnostics",
+        "ManualGC",
+        "Profiling",
+        "Evaluation",
+        "Checkpointing",
+        "RunSummary",
+        "Mine",  # priority 0: after every built-in
+    ]
+    a, b = Mine(), Mine()
+    assert in_priority_order([a, b]) == [a, b] and in_priority_order([b, a]) == [b, a]  # stable among equals
+
+
+def test_no_callback_reaches_into_another() -> None:
+    """Callbacks talk through hooks (post_checkpoint_saved) and generic trainer operations; the only lookup left is
+    MetricsLogger's writer and validation line (the run's one metrics sink)."""
+    for path in sorted((PACKAGE / "train" / "callbacks").glob("*.py")):
+        text = path.read_text()
+        for name in ("Checkpointing", "Evaluation", "SpikeMonitoring", "StopChecks", "RunSummary"):
+            assert f"callback({name})" not in text, f"{path.name} looks up {name}"

@@ -28,8 +28,8 @@ import torch
 
 from helpers import forked
 from helpers import tiny_runs as T
-from megagate.train import checkpoint as ckpt
-from megagate.train import safe_files
+from megagate import checkpoint as ckpt
+from megagate.checkpoint import safe_files
 
 
 class RunsCode:
@@ -161,13 +161,13 @@ def test_size_estimate_from_tensors_then_from_the_previous_manifest(tmp_path: Pa
     chunks = [torch.nn.Linear(100, 30), torch.nn.Linear(30, 7, dtype=torch.bfloat16)]
     params = 100 * 30 + 30 + 30 * 7 + 7
     model_bytes = (100 * 30 + 30) * 4 + (30 * 7 + 7) * 2
-    checkpointer = ckpt.Checkpointer(tmp_path / "ckpts")
-    assert checkpointer.estimate_bytes(chunks, None) == (model_bytes, "from the model and optimizer tensors")
-    estimate, _ = checkpointer.estimate_bytes(chunks, optimizer=object())
+    root = tmp_path / "ckpts"
+    assert ckpt.estimate_bytes(root, chunks, None) == (model_bytes, "from the model and optimizer tensors")
+    estimate, _ = ckpt.estimate_bytes(root, chunks, optimizer=object())
     assert estimate == model_bytes + 12 * params  # fp32 main copy + two Adam moments per parameter
     previous = _fake_checkpoint(tmp_path / "ckpts" / "iter_0000004")
     total = json.loads((previous / ckpt.MANIFEST).read_text())["total_bytes"]
-    assert checkpointer.estimate_bytes(chunks, object()) == (total, "the size of iter_0000004")
+    assert ckpt.estimate_bytes(root, chunks, object()) == (total, "the size of iter_0000004")
 
 
 # --- real runs ------------------------------------------------------------------------------------------------------

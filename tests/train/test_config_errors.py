@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megagate.cli import main
-from megagate.model.spec import transformer_engine_available
+from megagate.model.kernels import transformer_engine_available
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "examples" / "tiny_cpu.yaml")

@@ -17,8 +17,9 @@ import torch
 
 from helpers import distributed
 from megagate.model import gate as gates
-from megagate.model.config import ParallelConfig, model_preset
-from megagate.train import init
+from megagate.model import init
+from megagate.model.model_config import ParallelConfig
+from megagate.model.presets import model_preset
 
 WORLD = 8
 

@@ -245,7 +245,7 @@ def test_abort_exits_with_one_line_and_a_checkpoint(runs: dict) -> None:
     errors = [line for line in proc.stderr.splitlines() if line.startswith("megagate train: error:")]
     assert len(errors) == 1 and f"aborted by the spike monitor at step {K_ABORT}" in errors[0], proc.stderr[-3000:]
     assert [(e["step"], e["action"]) for e in events(run)] == [(K_ABORT, "abort")]
-    from megagate.train import checkpoint
+    from megagate import checkpoint
 
     latest = checkpoint.latest(run / "checkpoints")
     assert latest is not None and latest.name == f"iter_{K_ABORT:07d}"

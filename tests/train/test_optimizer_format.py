@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers import tiny_runs as T
-from megagate.train.checkpoint import saved_optimizer_format
+from megagate.checkpoint import saved_optimizer_format
 
 
 def _format(run: Path, step: int) -> str:

@@ -1,6 +1,6 @@
 """The `perf:` section and FP8 settings, asserted on the megatron configs the trainer builds from them.
 
-Devices are simulated through the pure functions' `device` argument (megagate.perf.Device), never by mocking
+Machines are simulated through the pure functions' `machine` argument (megagate.machine.Machine), never by mocking
 torch.cuda: a GPU without Transformer Engine builds real TransformerConfig / DistributedDataParallelConfig /
 OptimizerConfig objects here; what megatron cannot construct without TE (its fused-kernel checks import TE) is
 asserted on the kwargs the builder passes. Refusals are one-line ConfigErrors from config validation (no process
@@ -19,30 +19,38 @@ from pathlib import Path
 import pytest
 import torch
 
-from megagate import config as C
+from megagate import config_reader as C
 from megagate import perf as P
 from megagate.cli import main
 from megagate.errors import ConfigError
+from megagate.machine import Machine
+from megagate.run_config import TrainConfig
+from megagate.run_setup import RunSetup, resolve
 from megagate.train import components as K
-from megagate.train.callbacks.perf import STEP_RANGE, ManualGC, trace_path
+from megagate.train.callbacks.profiling import STEP_RANGE, ManualGC, trace_path
 from tests.helpers import tiny_runs as T
 
 ROOT = Path(__file__).resolve().parents[2]
 MOE = {"preset": "tiny", "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 64}
-GPU = P.Device(gpu=True, te=False, apex=True)  # a GPU without Transformer Engine: every config constructs here
-GPU_TE = P.Device(gpu=True, te=True, apex=True)
-CPU = P.Device(gpu=False, te=False, apex=False)
+GPU = Machine(gpu=True, te=False, apex=True)  # a GPU without Transformer Engine: every config constructs here
+GPU_TE = Machine(gpu=True, te=True, apex=True)
+CPU = Machine(gpu=False, te=False, apex=False)
 CONFIG_15A2B = ROOT / "slurm" / "examples" / "configs" / "15a2b_moe.yaml"
 
 
-def make(model: dict | None = None, **sections: dict) -> C.TrainConfig:
+def S(cfg: TrainConfig, machine: Machine) -> RunSetup:
+    """The run set-up of `cfg` on `machine` (no layout: these tests judge settings, not batch arithmetic)."""
+    return resolve(cfg, None, machine)
+
+
+def make(model: dict | None = None, **sections: dict) -> TrainConfig:
     data = {"model": copy.deepcopy(model or MOE), "data": {"mock": True}, **copy.deepcopy(sections)}
     return C.from_dict(data, environment=False)
 
 
 # --- GPU defaults on the built configs ---------------------------------------------------------------------------
 def test_gpu_defaults_reach_transformer_config():
-    tc = K.model_transformer_config(make(), GPU)
+    tc = S(make(), GPU).transformer_config()
     assert tc.moe_grouped_gemm is True
     assert tc.moe_token_dispatcher_type == "alltoall"
     assert tc.moe_router_dtype == "fp32"
@@ -59,35 +67,35 @@ def test_gpu_with_te_turns_on_te_kernels():
     """With TE the fused permute, router and RoPE kernels are on (megatron's TransformerConfig would import TE to
     check them, so the kwargs it gets are asserted)."""
     cfg = make()
-    perf = P.resolve_perf(cfg, GPU_TE)
-    kwargs = K.perf_transformer_kwargs(cfg, perf)
-    assert perf.backend_te and perf.cpu_off == ()
+    setup = S(cfg, GPU_TE)
+    perf, kwargs = setup.perf, setup.transformer_kwargs
+    assert perf.backend_te and perf.cpu_off == () and setup.backend == "te"
     assert kwargs["moe_permute_fusion"] and kwargs["moe_router_fusion"] and kwargs["apply_rope_fusion"]
     assert kwargs["moe_grouped_gemm"] and kwargs["moe_token_dispatcher_type"] == "alltoall"
     # explicit off wins over the GPU default, and then the config constructs here
     off = make(perf={"moe_permute_fusion": False, "moe_router_fusion": False, "apply_rope_fusion": False})
-    tc = K.model_transformer_config(off, GPU_TE)
+    tc = S(off, GPU_TE).transformer_config()
     assert (tc.moe_permute_fusion, tc.moe_router_fusion, tc.apply_rope_fusion) == (False, False, False)
 
 
 def test_dense_model_gets_no_moe_keys():
     cfg = make({"preset": "tiny"})
-    kwargs = K.perf_transformer_kwargs(cfg, P.resolve_perf(cfg, GPU_TE))
+    kwargs = S(cfg, GPU_TE).transformer_kwargs
     assert not any(key.startswith("moe_") for key in kwargs)
-    assert K.model_transformer_config(cfg, GPU).num_moe_experts is None
+    assert S(cfg, GPU).transformer_config().num_moe_experts is None
 
 
 def test_gpu_ddp_and_optimizer_configs():
     cfg = make(perf={"bucket_size": 12_345_678})
-    ddp = K.ddp_config(cfg, GPU)
+    ddp = K.ddp_config(S(cfg, GPU))
     assert (ddp.overlap_grad_reduce, ddp.overlap_param_gather, ddp.bucket_size) == (True, True, 12_345_678)
     assert ddp.use_distributed_optimizer and ddp.grad_reduce_in_fp32 and not ddp.fp8_param_gather
-    opt = K.optimizer_config(cfg, GPU)
+    opt = K.optimizer_config(S(cfg, GPU))
     assert opt.overlap_param_gather is True and opt.use_precision_aware_optimizer is False
     # without the distributed optimizer there is no parameter all-gather to overlap
     plain = make(train={"use_distributed_optimizer": False})
-    assert K.ddp_config(plain, GPU).overlap_param_gather is False
-    assert K.ddp_config(plain, GPU).overlap_grad_reduce is True
+    assert K.ddp_config(S(plain, GPU)).overlap_param_gather is False
+    assert K.ddp_config(S(plain, GPU)).overlap_grad_reduce is True
 
 
 def test_explicit_perf_values_reach_the_configs():
@@ -108,13 +116,13 @@ def test_explicit_perf_values_reach_the_configs():
             "manual_gc_interval": 7,
         },
     )
-    tc = K.model_transformer_config(cfg, GPU)
+    tc = S(cfg, GPU).transformer_config()
     assert tc.moe_token_dispatcher_type == "allgather" and tc.moe_router_dtype == "fp64"
     assert tc.recompute_granularity == "selective" and tc.recompute_modules == ["core_attn", "layernorm", "moe_act"]
     assert not tc.bias_activation_fusion and not tc.cross_entropy_loss_fusion and not tc.gradient_accumulation_fusion
     assert tc.cuda_graph_impl == "local" and [m.name for m in tc.cuda_graph_modules] == ["attn"]
     assert tc.cuda_graph_warmup_steps == 2
-    ddp = K.ddp_config(cfg, GPU)
+    ddp = K.ddp_config(S(cfg, GPU))
     assert (ddp.overlap_grad_reduce, ddp.overlap_param_gather) == (False, False)
     assert P.resolve_perf(cfg, GPU).manual_gc_interval == 7
 
@@ -124,8 +132,8 @@ def test_precision_aware_optimizer_reaches_megatron():
     not installed here (that refusal is the proof the flag arrived); the CPU switches it off."""
     cfg = make(perf={"use_precision_aware_optimizer": True, "main_grads_dtype": "bf16", "exp_avg_dtype": "fp8"})
     with pytest.raises(RuntimeError, match="FusedAdam"):
-        K.optimizer_config(cfg, GPU_TE)
-    opt = K.optimizer_config(cfg, CPU)
+        K.optimizer_config(S(cfg, GPU_TE))
+    opt = K.optimizer_config(S(cfg, CPU))
     assert opt.use_precision_aware_optimizer is False and opt.exp_avg_dtype == torch.float32
     assert "use_precision_aware_optimizer" in P.resolve_perf(cfg, CPU).cpu_off
 
@@ -133,27 +141,28 @@ def test_precision_aware_optimizer_reaches_megatron():
 # --- CPU switch-offs and the one line ----------------------------------------------------------------------------
 def test_cpu_switches_off_and_says_so_in_one_line():
     cfg = make(perf={"moe_permute_fusion": True}, train={"backend": "te"})
-    perf = P.resolve_perf(cfg, CPU)
+    setup = S(cfg, CPU)
+    perf = setup.perf
     line = perf.cpu_line()
     assert line == (
         "perf: on CPU: moe_grouped_gemm, moe_permute_fusion, moe_router_fusion, overlap_grad_reduce, "
         "overlap_param_gather, bias_activation_fusion, bias_dropout_fusion, apply_rope_fusion, masked_softmax_fusion, "
         "cross_entropy_loss_fusion off; moe_token_dispatcher_type allgather"
     )  # gradient_accumulation_fusion is not listed: without apex it is off on that machine's GPU too
-    kwargs = K.perf_transformer_kwargs(cfg, perf)
+    kwargs = setup.transformer_kwargs
     assert kwargs["moe_token_dispatcher_type"] == "allgather"
     assert not any(v for k, v in kwargs.items() if k.endswith("fusion") or k == "moe_grouped_gemm")
-    ddp = K.ddp_config(cfg, CPU)
+    ddp = K.ddp_config(S(cfg, CPU))
     assert (ddp.overlap_grad_reduce, ddp.overlap_param_gather) == (False, False)
     assert perf.manual_gc_interval == 0  # auto: Python's collector on CPU
     graphs = make(perf={"cuda_graph_impl": "local", "overlap_param_gather": False})
-    tc = K.model_transformer_config(graphs, CPU)
+    tc = S(graphs, CPU).transformer_config()
     assert tc.cuda_graph_impl == "none" and "cuda_graph_impl" in P.resolve_perf(graphs, CPU).cpu_off
 
 
 def test_cpu_builds_the_cpu_config_and_drops_moe_act():
     cfg = make({**MOE, "recompute_granularity": "selective"}, perf={"recompute_modules": ["moe_act", "core_attn"]})
-    tc = K.model_transformer_config(cfg, CPU)  # megatron refuses moe_act without grouped GEMM: it must be gone
+    tc = S(cfg, CPU).transformer_config()  # megatron refuses moe_act without grouped GEMM: it must be gone
     assert tc.recompute_modules == ["core_attn"] and tc.moe_grouped_gemm is False
     assert tc.use_cpu_initialization and not tc.bias_dropout_fusion and not tc.batch_p2p_comm
     assert "recompute_modules moe_act" in P.resolve_perf(cfg, CPU).cpu_off
@@ -172,15 +181,15 @@ def test_fp8_settings_reach_transformer_and_ddp_configs():
         },
         perf={"apply_rope_fusion": False},
     )
-    tc = K.model_transformer_config(cfg, GPU_TE)
+    tc = S(cfg, GPU_TE).transformer_config()
     assert (tc.fp8, tc.fp8_recipe, tc.fp8_param) == ("e4m3", "blockwise", True)  # blockwise: e4m3 by default
     assert tc.first_last_layers_bf16 and (tc.num_layers_at_start_in_bf16, tc.num_layers_at_end_in_bf16) == (1, 0)
     assert tc.params_dtype == torch.bfloat16
-    assert K.ddp_config(cfg, GPU_TE).fp8_param_gather is True
+    assert K.ddp_config(S(cfg, GPU_TE)).fp8_param_gather is True
     delayed = make({"preset": "tiny"}, train={"precision": "fp8", "fp8_recipe": "delayed"})
-    assert K.precision_kwargs(delayed)[1]["fp8"] == "hybrid"
+    assert S(delayed, GPU_TE).fp8["fp8"] == "hybrid"
     moe = make(train={"precision": "fp8"})
-    assert K.precision_kwargs(moe)[1]["moe_router_padding_for_quantization"] is True
+    assert S(moe, GPU_TE).fp8["moe_router_padding_for_quantization"] is True
     assert P.resolve_perf(moe, GPU_TE).moe_router_padding_for_fp8 is True
 
 
@@ -262,15 +271,15 @@ def test_fp8_alignment_refused_with_variant_and_tp():
 def test_device_refusals():
     """What only the real device decides: mxfp8 on Hopper, FP8 on a CPU, flex without DeepEP."""
     cfg = make(train={"precision": "fp8", "fp8_recipe": "mxfp8"}, perf={"apply_rope_fusion": False})
-    hopper = P.Device(gpu=True, te=True, capability=(9, 0), deep_ep=False, apex=True)
+    hopper = Machine(gpu=True, te=True, capability=(9, 0), deep_ep=False, apex=True)
     with pytest.raises(ConfigError, match=r"fp8_recipe='mxfp8' needs compute capability >= 10.0 .*this GPU is 9.0"):
-        P.check_perf(cfg, hopper)
-    P.check_perf(cfg, P.Device(gpu=True, te=True, capability=(10, 0), apex=True))  # Blackwell: accepted
+        P.check_perf(cfg, P.resolve_perf(cfg, hopper))
+    P.check_perf(cfg, P.resolve_perf(cfg, Machine(gpu=True, te=True, capability=(10, 0), apex=True)))  # Blackwell
     with pytest.raises(ConfigError, match="the CPU has no FP8"):
-        P.check_perf(cfg, CPU)
+        P.check_perf(cfg, P.resolve_perf(cfg, CPU))
     flex = make(perf={"moe_token_dispatcher_type": "flex"})
     with pytest.raises(ConfigError, match="'flex' needs DeepEP, which is not installed"):
-        P.check_perf(flex, hopper)
+        P.check_perf(flex, P.resolve_perf(flex, hopper))
 
 
 def test_cli_dry_run_exits_2_with_the_line():

@@ -61,10 +61,10 @@ def test_recompute_trains_bitwise_like_no_recompute(
 def test_recompute_is_in_the_autograd_graph(mode: str | None, megatron_world) -> None:
     """megatron's CheckpointFunction nodes in a training forward's graph: full/uniform/1 wraps each of the 2 layers,
     selective each layer's core attention, no recompute none."""
-    from megagate import config as config_mod
+    from megagate import config_reader
     from megagate.model.build import build_gpt_model, transformer_config
 
-    cfg = config_mod.load(str(T.CONFIG), [*T.BASE, *MODES.get(mode, [])], environment=False)
+    cfg = config_reader.load(str(T.CONFIG), [*T.BASE, *MODES.get(mode, [])], environment=False)
     assert cfg.model.recompute_granularity == mode
     tf = transformer_config(cfg.model, params_dtype=torch.float32, use_cpu=True)
     gpt = build_gpt_model(cfg.model, tf).train()

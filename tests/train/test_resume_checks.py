@@ -7,25 +7,26 @@ import math
 import pytest
 import torch
 
-from megagate import config as config_mod
+from megagate import checkpoint as ckpt
+from megagate import config_reader, run_config
 from megagate.errors import MegagateError
 from megagate.train import resume
 
 BASE = {"model": {"preset": "tiny", "gate": "g1-elementwise"}, "data": {"mock": True}}
 
 
-def cfg(**sections) -> config_mod.TrainConfig:
+def cfg(**sections) -> run_config.TrainConfig:
     data = {k: dict(v) for k, v in BASE.items()}
     for key, value in sections.items():
         data.setdefault(key, {}).update(value) if isinstance(value, dict) else data.__setitem__(key, value)
-    return config_mod.from_dict(data)
+    return config_reader.from_dict(data)
 
 
-def meta_of(c: config_mod.TrainConfig, step: int = 6, consumed: int = 48, **extra) -> dict:
+def meta_of(c: run_config.TrainConfig, step: int = 6, consumed: int = 48, **extra) -> dict:
     return {
         "step": step,
         "consumed_samples": consumed,
-        "architecture": resume.architecture(c),
+        "architecture": ckpt.architecture(c),
         "data_order": resume.data_order(c, None),
         "schedule": resume.schedule(c),
         "layout": {"tp": 1, "pp": 1, "ep": 1, "dp": 1, "cp": 1, "vpp": None},
@@ -92,7 +93,7 @@ def test_dp_reshardable_checkpoint_refuses_a_tp_change():
     resume.check_compatible({**meta, "layout": {**meta["layout"], "dp": 4}}, saved)  # DP may change
 
 
-def _scheduler(c: config_mod.TrainConfig):
+def _scheduler(c: run_config.TrainConfig):
     """megatron's OptimizerParamScheduler exactly as the trainer builds it, on a one-parameter optimizer."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 

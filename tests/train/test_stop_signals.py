@@ -170,7 +170,7 @@ def test_data_loader_workers_ignore_stop_signals_and_die_with_the_trainer():
     import functools
 
     from megagate.data.loader import build_loader
-    from megagate.train import children
+    from megagate.distributed import children
 
     init = functools.partial(children.worker_init, os.getpid())
     batch = next(iter(build_loader(_Dispositions(), 2, num_workers=1, worker_init_fn=init)))

@@ -81,7 +81,7 @@ def test_kill_during_checkpoint_save_keeps_last_good(reference, tmp_path, demo_d
     assert partial.exists(), "the save of step 8 was never seen"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    from megagate.train import checkpoint
+    from megagate import checkpoint
 
     assert checkpoint.latest(tmp_path / "checkpoints").name == "iter_0000004"
     assert not (tmp_path / "checkpoints" / "iter_0000008").exists()

@@ -4,29 +4,24 @@ base.py      Callback: the hooks and their order
 metrics.py   MetricsLogger (config.yaml, metrics.jsonl, TensorBoard, console), RunSummary (summary.json)
 cadence.py   StopChecks (signals, wall time, exit_after_steps), Evaluation, Checkpointing
 monitor.py   FaultInjection, SpikeMonitoring (skip / rollback / lr_backoff / abort), LiveDiagnostics
-perf.py      ManualGC, Profiling (the perf section: perf.manual_gc_interval, perf.profile)
+profiling.py ManualGC, Profiling (the perf section: perf.manual_gc_interval, perf.profile)
 """
 
 from __future__ import annotations
 
-from megagate.config import TrainConfig
+from megagate.run_setup import RunSetup
 from megagate.train.callbacks.base import Callback
 from megagate.train.callbacks.cadence import Checkpointing, Evaluation, StopChecks, evaluate
 from megagate.train.callbacks.metrics import MetricsLogger, RunSummary
 from megagate.train.callbacks.monitor import FaultInjection, LiveDiagnostics, SpikeMonitoring
-from megagate.train.callbacks.perf import ManualGC, Profiling, perf_callbacks
+from megagate.train.callbacks.profiling import ManualGC, Profiling, perf_callbacks
 
 
-def default_callbacks(cfg: TrainConfig) -> list[Callback]:
-    """The callbacks of `megagate train`, in the order that matters:
-
-    metrics before everything that logs through its writer; faults before the spike monitor (it judges the
-    faulted loss; LR factors multiply in this order); evaluation before checkpointing (a checkpoint holds the state
-    after an evaluation of the same step: the validation loader draws from the RNG) — except at the end, where
-    Evaluation has the final checkpoint saved first, so a failing final validation loses nothing; the summary last
-    (it reports the final validation).
-    """
-    m = cfg.monitor
+def default_callbacks(setup: RunSetup) -> list[Callback]:
+    """The callbacks of `megagate train` for a run set-up. Their order is each class's `priority` (the trainer sorts):
+    StopChecks 100, MetricsLogger 90, FaultInjection 80, SpikeMonitoring 70, LiveDiagnostics 60, ManualGC 50,
+    Profiling 40, Evaluation 30, Checkpointing 20, RunSummary 10; each class says why in its docstring."""
+    m = setup.cfg.monitor
     callbacks: list[Callback] = [StopChecks(), MetricsLogger()]
     if m.faults:
         callbacks.append(FaultInjection(m.faults))
@@ -34,8 +29,7 @@ def default_callbacks(cfg: TrainConfig) -> list[Callback]:
         callbacks.append(SpikeMonitoring(m.spike))
     if m.diagnostics.interval:
         callbacks.append(LiveDiagnostics(m.diagnostics.interval))
-    # the profiler's step ranges wrap only the step (before evaluation and checkpointing, which are not profiled)
-    return callbacks + perf_callbacks(cfg) + [Evaluation(), Checkpointing(), RunSummary()]
+    return callbacks + perf_callbacks(setup) + [Evaluation(), Checkpointing(), RunSummary()]
 
 
 __all__ = [

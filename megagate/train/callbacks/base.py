@@ -1,6 +1,8 @@
-"""The callback interface of the Trainer (megagate.train.trainer).
+"""The callback interface of the Trainer (megagate.train.trainer): the hooks, the objects they receive, and what a
+callback sees of the trainer (`TrainerView`). Callbacks import this module, never the trainer.
 
-Hooks, in the order the trainer calls them; each hook goes to every callback in list order:
+Hooks, in the order the trainer calls them; each hook goes to every callback, highest `priority` first (callbacks
+of equal priority in the order they were given):
 
     on_start(trainer)                          once, after a resume (weights, optimizer, callback states loaded)
     per step:
@@ -11,6 +13,7 @@ Hooks, in the order the trainer calls them; each hook goes to every callback in 
                                                update.skip(), update.scale_lr(f), trainer.restore(path)
       post_step(trainer, output)               the step is done (output: StepOutput); not called for a step
                                                that a restore() dropped
+    post_checkpoint_saved(trainer, path, step) after every checkpoint (whoever asked for it), on every rank
     on_end(trainer)                            the loop ended: completed, stopped, or aborted by trainer.stop(error)
     on_close(trainer)                          always last, also after an exception: release resources
 
@@ -21,39 +24,116 @@ Every rank runs every hook with the same values, so hooks may make collective ca
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
 
-if TYPE_CHECKING:
-    from megagate.train.trainer import StepOutput, Trainer, Update
+from megagate.run_config import TrainConfig
+
+
+@dataclass
+class Update:
+    """This step's update before it is applied (pre_optim_step): callbacks may veto it or scale its LR.
+
+    `loss` and `grad_norm` are the global values (mean over micro-batches and data-parallel ranks; the norm after
+    the reduction), what callbacks judge the step by. A callback may replace them for the callbacks after it
+    (fault injection does); the logged values stay the computed ones.
+    """
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr_scale: float = 1.0
+    skipped: bool = False
+
+    def skip(self) -> None:
+        """Do not apply this update (weights and optimizer state stay as they are; the data moves on)."""
+        self.skipped = True
+
+    def scale_lr(self, factor: float) -> None:
+        """Multiply this update's LR (from the schedule) by `factor`; factors of several callbacks multiply."""
+        self.lr_scale *= factor
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What post_step callbacks see of a finished step."""
+
+    step: int
+    loss: float  # global mean training loss, as computed
+    grad_norm: float  # global gradient norm before clipping
+    lr: float  # the LR of the update (after scale_lr)
+    step_time: float  # seconds, data loading included
+    applied: bool  # False: the update was skipped (by a callback, or by the optimizer on non-finite gradients)
+
+
+class TrainerView(Protocol):
+    """What a callback may read and do of the running Trainer (megagate.train.trainer.Trainer)."""
+
+    cfg: TrainConfig
+    components: Any  # megagate.train.components.Components: model chunks, optimizer, datasets, layout
+    layout: Any  # megagate.distributed.layout.Layout
+    model: list  # this rank's model chunks (unwrapped)
+    checkpointer: Any  # megagate.checkpoint.Checkpointer of the run
+    logging_rank: bool  # this rank writes the run files
+    step: int  # completed steps
+    start_step: int  # the step this launch began at
+    consumed_samples: int  # the data position: global samples before the next step
+    stop_reason: str | None
+    error: BaseException | None
+    summary: dict[str, Any]
+    first_loss: float | None
+
+    @property
+    def completed(self) -> bool: ...
+
+    def stop(self, reason: str, error: BaseException | None = None) -> None: ...
+
+    def seek(self, samples: int) -> None: ...
+
+    def callback(self, kind: type) -> Any: ...
+
+    def latest_checkpoint(self) -> Path | None: ...
+
+    def save_checkpoint(self) -> Path: ...
+
+    def restore(self, path: Path) -> dict[str, Any]: ...
+
+    def forward_backward(self, microbatches: list[dict], forward_only: bool) -> float: ...
 
 
 class Callback:
-    """A no-op for every hook; subclasses override what they need."""
+    """A no-op for every hook; subclasses override what they need and declare their `priority`."""
 
+    priority: ClassVar[int] = 0  # higher runs earlier in every hook; user callbacks (0) run after the built-ins
     state_key: str = ""  # non-empty: this callback's state_dict() goes into checkpoints
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         pass
 
-    def on_step_start(self, trainer: Trainer, step: int) -> None:
+    def on_step_start(self, trainer: TrainerView, step: int) -> None:
         pass
 
-    def pre_step(self, trainer: Trainer, step: int, microbatches: list[dict]) -> list[dict]:
+    def pre_step(self, trainer: TrainerView, step: int, microbatches: list[dict]) -> list[dict]:
         return microbatches
 
-    def post_backward(self, trainer: Trainer, step: int) -> None:
+    def post_backward(self, trainer: TrainerView, step: int) -> None:
         pass
 
-    def pre_optim_step(self, trainer: Trainer, update: Update) -> None:
+    def pre_optim_step(self, trainer: TrainerView, update: Update) -> None:
         pass
 
-    def post_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         pass
 
-    def on_end(self, trainer: Trainer) -> None:
+    def post_checkpoint_saved(self, trainer: TrainerView, path: Path, step: int) -> None:
         pass
 
-    def on_close(self, trainer: Trainer) -> None:
+    def on_end(self, trainer: TrainerView) -> None:
+        pass
+
+    def on_close(self, trainer: TrainerView) -> None:
         pass
 
     def state_dict(self) -> dict[str, Any]:
@@ -61,3 +141,8 @@ class Callback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+def in_priority_order(callbacks: Sequence[Callback]) -> list[Callback]:
+    """`callbacks` sorted by priority, highest first (a stable sort: equal priorities keep their order)."""
+    return sorted(callbacks, key=lambda cb: -cb.priority)

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import torch
 
+from megagate.console import log
 from megagate.train import components as parts
-from megagate.train.callbacks.base import Callback
+from megagate.train.callbacks.base import Callback, StepOutput, TrainerView
 from megagate.train.callbacks.metrics import MetricsLogger
-from megagate.train.metrics import log
 from megagate.train.signals import StopConditions
 
-if TYPE_CHECKING:
-    from megagate.train.trainer import StepOutput, Trainer
 
-
-def evaluate(trainer: Trainer) -> float:
+def evaluate(trainer: TrainerView) -> float:
     """Mean validation loss over train.eval_iters global batches (the same batches every time)."""
     cfg = trainer.cfg
     data = parts.loader(cfg, trainer.components.valid_data, 0)
@@ -33,15 +30,23 @@ def evaluate(trainer: Trainer) -> float:
 
 
 class Evaluation(Callback):
-    """Validation every train.eval_interval steps (not at the last: the end of a completed run evaluates)."""
+    """Validation every train.eval_interval steps (not at the last: the end of a completed run evaluates).
+
+    Before Checkpointing: a checkpoint holds the state after an evaluation of the same step (the validation loader
+    draws from the RNG). At the end the final state is checkpointed first (unless a checkpoint of it was just
+    saved), so a failing final validation loses nothing.
+    """
+
+    priority = 30
 
     def __init__(self) -> None:
         self.logger: MetricsLogger | None = None
+        self.saved_step: int | None = None
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         self.logger = trainer.callback(MetricsLogger)
 
-    def post_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         t = trainer.cfg.train
         if (
             t.eval_interval
@@ -51,14 +56,16 @@ class Evaluation(Callback):
         ):
             self._evaluate(trainer)
 
-    def on_end(self, trainer: Trainer) -> None:
+    def post_checkpoint_saved(self, trainer: TrainerView, path: Path, step: int) -> None:
+        self.saved_step = step
+
+    def on_end(self, trainer: TrainerView) -> None:
         if trainer.completed:
-            checkpointing = trainer.callback(Checkpointing)
-            if checkpointing is not None:  # the final checkpoint first: the validation cannot lose it
-                checkpointing.save_final(trainer)
+            if self.saved_step != trainer.step:  # the final checkpoint first: the validation cannot lose it
+                trainer.save_checkpoint()
             self._evaluate(trainer)
 
-    def _evaluate(self, trainer: Trainer) -> None:
+    def _evaluate(self, trainer: TrainerView) -> None:
         loss = evaluate(trainer)
         trainer.summary["final_valid_loss"] = loss
         if self.logger is not None:
@@ -69,10 +76,15 @@ class Checkpointing(Callback):
     """A checkpoint every checkpoint.interval steps and at the end of every launch that trained (completed, stopped
     by a signal or the wall-time limit, or aborted by a callback), so a rerun of the same command resumes."""
 
+    priority = 20
+
     def __init__(self) -> None:
         self.saved_step: int | None = None
 
-    def post_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def post_checkpoint_saved(self, trainer: TrainerView, path: Path, step: int) -> None:
+        self.saved_step = step  # a save asked for by anyone (Evaluation's final one, a callback's)
+
+    def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         interval = trainer.cfg.checkpoint.interval
         # a stopping run saves once, in on_end
         if (
@@ -82,17 +94,11 @@ class Checkpointing(Callback):
             and trainer.stop_reason is None
         ):
             trainer.save_checkpoint()
-            self.saved_step = output.step
 
-    def save_final(self, trainer: Trainer) -> None:
-        """The end-of-launch checkpoint (once; Evaluation asks for it before the final validation)."""
+    def on_end(self, trainer: TrainerView) -> None:
         # trainer.step == start_step: the latest checkpoint already holds this state (or no step ran)
         if trainer.step > trainer.start_step and self.saved_step != trainer.step:
             trainer.save_checkpoint()
-            self.saved_step = trainer.step
-
-    def on_end(self, trainer: Trainer) -> None:
-        self.save_final(trainer)
         if trainer.stop_reason is not None and trainer.error is None:
             if self.saved_step == trainer.step:
                 saved = "checkpoint saved"
@@ -105,25 +111,27 @@ class Checkpointing(Callback):
 
 class StopChecks(Callback):
     """Stops before a step on SIGTERM/SIGUSR1 (any rank), near train.wall_time_limit, or after
-    train.exit_after_steps steps of this launch; all ranks agree (megagate.train.signals)."""
+    train.exit_after_steps steps of this launch; all ranks agree (megagate.train.signals). First of all."""
+
+    priority = 100
 
     def __init__(self) -> None:
         self.conditions: StopConditions | None = None
         self.step_time = 0.0
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         self.conditions = StopConditions(trainer.cfg.train.wall_time_limit)
 
-    def on_step_start(self, trainer: Trainer, step: int) -> None:
+    def on_step_start(self, trainer: TrainerView, step: int) -> None:
         limit = trainer.cfg.train.exit_after_steps
         if self.conditions.should_stop(self.step_time):
             trainer.stop(self.conditions.reason)
         elif limit is not None and trainer.step - trainer.start_step >= limit:
             trainer.stop(f"exit_after_steps={limit}")
 
-    def post_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         self.step_time = output.step_time
 
-    def on_close(self, trainer: Trainer) -> None:
+    def on_close(self, trainer: TrainerView) -> None:
         if self.conditions is not None:
             self.conditions.restore()

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from megagate.console import log
+from megagate.files import write_atomic
 from megagate.model.counts import flops_per_token
 from megagate.monitor import runfiles
-from megagate.train.callbacks.base import Callback
-from megagate.train.metrics import Metrics, log
-
-if TYPE_CHECKING:
-    from megagate.train.trainer import StepOutput, Trainer
+from megagate.train.callbacks.base import Callback, StepOutput, TrainerView
+from megagate.train.metric_writer import Metrics
 
 MOE_LOSS_NAMES = {
     "aux_loss": "load_balancing_loss",
@@ -23,7 +22,10 @@ MOE_LOSS_NAMES = {
 
 class MetricsLogger(Callback):
     """Writes config.yaml, then a train line every logging.interval steps, the last step of the run and the step
-    a callback stopped it at. Owns the TensorBoard writer other callbacks log to (`writer`, None when off)."""
+    a callback stopped it at. Owns the TensorBoard writer other callbacks log to (`writer`, None when off), so it
+    starts before them."""
+
+    priority = 90
 
     def __init__(self) -> None:
         self.metrics: Metrics | None = None
@@ -32,11 +34,11 @@ class MetricsLogger(Callback):
     def writer(self) -> Any:
         return None if self.metrics is None else self.metrics.writer
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         cfg, t = trainer.cfg, trainer.cfg.train
         if trainer.logging_rank:
             os.makedirs(cfg.output.dir, exist_ok=True)
-            runfiles.write_atomic(os.path.join(cfg.output.dir, runfiles.CONFIG), _yaml(cfg.raw))
+            write_atomic(os.path.join(cfg.output.dir, runfiles.CONFIG), _yaml(cfg.raw))
             if trainer.step:  # resumed: what a killed launch logged after the checkpoint is logged again now
                 dropped = runfiles.truncate_after(cfg.output.dir, trainer.step)
                 if dropped:
@@ -53,7 +55,7 @@ class MetricsLogger(Callback):
             precision=t.precision,
         )
 
-    def post_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         cfg = trainer.cfg
         extra = {"skipped": float(not output.applied)}
         if cfg.model.is_moe:
@@ -67,12 +69,12 @@ class MetricsLogger(Callback):
         if self.metrics is not None:
             self.metrics.validation(step, loss)
 
-    def on_close(self, trainer: Trainer) -> None:
+    def on_close(self, trainer: TrainerView) -> None:
         if self.metrics is not None:
             self.metrics.close()
 
 
-def moe_metrics(trainer: Trainer, step: int) -> dict[str, float]:
+def moe_metrics(trainer: TrainerView, step: int) -> dict[str, float]:
     """This step's MoE load-balancing and z-loss (averaged over layers and micro-batches); a collective call."""
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
@@ -98,9 +100,10 @@ class RunSummary(Callback):
     into `trainer.summary` besides the standard ones (e.g. `spikes`) are written too.
     """
 
+    priority = 10  # last: it reports the final validation and what the other callbacks put in the summary
     STANDARD = ("steps", "final_loss", "final_valid_loss", "stopped")
 
-    def on_end(self, trainer: Trainer) -> None:
+    def on_end(self, trainer: TrainerView) -> None:
         if not trainer.logging_rank or (trainer.stop_reason is not None and trainer.error is None):
             return
         s = trainer.summary

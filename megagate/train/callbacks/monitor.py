@@ -12,25 +12,22 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from megagate import checkpoint as ckpt
+from megagate.console import log
 from megagate.monitor import diagnostics, runfiles
 from megagate.monitor.events import EventLog
 from megagate.monitor.faults import Fault, FaultInjector
 from megagate.monitor.spike import SpikeAbort, SpikeMonitor, SpikeMonitorConfig, worst_action
-from megagate.train import checkpoint as ckpt
 from megagate.train import components as parts
-from megagate.train.callbacks.base import Callback
+from megagate.train.callbacks.base import Callback, StepOutput, TrainerView, Update
 from megagate.train.callbacks.metrics import MetricsLogger
-from megagate.train.metrics import log
-
-if TYPE_CHECKING:
-    from megagate.train.trainer import StepOutput, Trainer, Update
 
 
-def _writer(trainer: Trainer) -> Any:
+def _writer(trainer: TrainerView) -> Any:
     logger = trainer.callback(MetricsLogger)
     return None if logger is None else logger.writer
 
@@ -38,18 +35,19 @@ def _writer(trainer: Trainer) -> Any:
 class SpikeMonitoring(Callback):
     """`monitor.spike`: detection on the global loss and grad norm, events.jsonl, and the configured action."""
 
+    priority = 70
     state_key = "monitor"
 
     def __init__(self, config: SpikeMonitorConfig) -> None:
         self.monitor = SpikeMonitor(config)
         self.events: EventLog | None = None
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         if trainer.logging_rank:
             self.events = EventLog(Path(trainer.cfg.output.dir) / runfiles.EVENTS, _writer(trainer))
         trainer.summary["spikes"] = self.monitor.num_events
 
-    def on_step_start(self, trainer: Trainer, step: int) -> None:
+    def on_step_start(self, trainer: TrainerView, step: int) -> None:
         # Rollbacks drop windows of batches (numbered by the step that reads them in an uninterrupted run). The data
         # position already holds the windows that began before this step (a checkpoint's position includes them;
         # a rollback restores one from before its window); a window that begins now moves it forward. Relative to
@@ -59,7 +57,7 @@ class SpikeMonitoring(Callback):
         if dropped:
             trainer.seek(trainer.consumed_samples + dropped * trainer.cfg.train.global_batch_size)
 
-    def pre_optim_step(self, trainer: Trainer, update: Update) -> None:
+    def pre_optim_step(self, trainer: TrainerView, update: Update) -> None:
         step = update.step
         events = self.monitor.observe(step, {"loss": update.loss, "grad_norm": update.grad_norm})
         if events and self.events is not None:
@@ -81,7 +79,7 @@ class SpikeMonitoring(Callback):
                 ),
             )
 
-    def _rollback(self, trainer: Trainer, step: int) -> None:
+    def _rollback(self, trainer: TrainerView, step: int) -> None:
         path = trainer.latest_checkpoint()
         if path is None:
             raise SpikeAbort(
@@ -106,21 +104,22 @@ class SpikeMonitoring(Callback):
 class FaultInjection(Callback):
     """`monitor.faults`: corrupt a step's batch, poison a gradient, scale the loss the monitor sees, or the LR.
 
-    Put it before SpikeMonitoring: the loss it scales is the one the monitor judges.
+    Before SpikeMonitoring: the loss it scales is the one the monitor judges (LR factors multiply in this order).
     """
 
+    priority = 80
     state_key = "faults"
 
     def __init__(self, faults: Sequence[Fault]) -> None:
         self.injector = FaultInjector(faults)
 
-    def pre_step(self, trainer: Trainer, step: int, microbatches: list[dict]) -> list[dict]:
+    def pre_step(self, trainer: TrainerView, step: int, microbatches: list[dict]) -> list[dict]:
         return self.injector.batches(step, microbatches, trainer.cfg.model.vocab_size)
 
-    def post_backward(self, trainer: Trainer, step: int) -> None:
+    def post_backward(self, trainer: TrainerView, step: int) -> None:
         self.injector.grads(step, [p for chunk in trainer.model for p in chunk.parameters()])
 
-    def pre_optim_step(self, trainer: Trainer, update: Update) -> None:
+    def pre_optim_step(self, trainer: TrainerView, update: Update) -> None:
         update.loss = float(self.injector.loss(update.step, update.loss))
         update.scale_lr(self.injector.lr_scale(update.step))
 
@@ -135,16 +134,18 @@ class LiveDiagnostics(Callback):
     """`monitor.diagnostics.interval`: the paper's Table-4 statistics on a fixed probe batch (the first validation
     micro-batch: comparable across steps and runs) to diagnostics.jsonl and TensorBoard (`diag/...`)."""
 
+    priority = 60
+
     def __init__(self, interval: int) -> None:
         self.interval = interval
         self.probe: dict | None = None
         self.writer: Any = None
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         self.writer = _writer(trainer)
         self.probe = next(parts.loader(trainer.cfg, trainer.components.valid_data, 0))
 
-    def post_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         if output.step % self.interval or trainer.stop_reason is not None:
             return
         from megatron.core import parallel_state

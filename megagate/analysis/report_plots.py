@@ -1,4 +1,4 @@
-"""The PNG plots of `megagate report` (run results from megagate.monitor.report, groups from .aggregate).
+"""The PNG plots of `megagate report` (run results from megagate.analysis.report, groups from .aggregate).
 
 loss_curves.png                training loss per run, spike-monitor events marked
 final_loss_vs_lr.png           one line per variant, mean over all runs (seeds) at each LR; diverged as crosses
@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from megagate.monitor import plotting
-from megagate.monitor.aggregate import uniform_f_attn
+from megagate.analysis import plotting
+from megagate.analysis.aggregate import uniform_f_attn
 
 
 def plot_loss_curves(results: Sequence[Any], path: str | Path) -> Path:

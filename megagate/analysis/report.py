@@ -2,11 +2,11 @@
 
 Per-run table: run, variant, lr, seed, steps, final loss, validation ppl, spikes (monitor events), diverged, F-Attn,
 M-Act, gate score (the diagnostics of the last probe: F-Attn and gate score averaged over layers, M-Act the maximum
-over layers), curve spikes (megagate.monitor.aggregate's offline judgement) with the monitor's tp/fp/miss against
+over layers), curve spikes (megagate.analysis.aggregate's offline judgement) with the monitor's tp/fp/miss against
 them, and what identifies the run: its sweep (the folder with sweep.json above it, else its parent folder) and its
 setting (the non-grid config keys that differ between the reported runs).
 Per-group table (and aggregate.json): the runs of one (sweep, setting, variant, lr) aggregated over seeds.
-Plots: megagate.monitor.report_plots.
+Plots: megagate.analysis.report_plots.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megagate.analysis import aggregate, report_plots
+from megagate.analysis.replay import replay_events
 from megagate.errors import MegagateError
-from megagate.monitor import aggregate, report_plots, runfiles
-from megagate.monitor.replay import replay_events
+from megagate.files import write_atomic
+from megagate.monitor import runfiles
 from megagate.monitor.spike import SpikeMonitorConfig
 
 
@@ -345,11 +347,11 @@ def report(
     """Load the runs, return the per-run and the per-group tables; with `out_dir`, also write the plots,
     report.txt and aggregate.json. `diag_lr`: the LR of diagnostics_over_training.png (default: per sweep and
     setting, the largest LR at which no run diverged). `replay`: judge the runs with these monitor settings replayed
-    over their logged curves instead of the events they logged (`megagate.monitor.replay`)."""
+    over their logged curves instead of the events they logged (`megagate.analysis.replay`)."""
     if tolerance < 0:
         raise MegagateError(f"--spike-tolerance {tolerance} must be >= 0 steps")
     if out_dir is not None:  # refuse an unusable --out before reading anything
-        from megagate.data.indexed import check_writable_dir
+        from megagate.files import check_writable_dir
 
         check_writable_dir(out_dir, "--out")
     results = [load_run(p, rule, tolerance, replay) for p in find_runs(run_dirs)]
@@ -380,5 +382,5 @@ def report(
             "events.jsonl (as logged)" if replay is None else {"replayed_with": replay.to_dict()}
         )
         runfiles.write_json(out / "aggregate.json", record)
-        runfiles.write_atomic(out / "report.txt", text + "\n")
+        write_atomic(out / "report.txt", text + "\n")
     return text

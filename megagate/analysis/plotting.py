@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from megagate.files import atomic_path
 
 
 def pyplot() -> Any:
@@ -21,15 +22,9 @@ def pyplot() -> Any:
 def save(fig: Any, path: str | os.PathLike) -> Path:
     """Write `fig` as PNG to `path` atomically and close it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; plots are meant to be shared
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
         pyplot().close(fig)
     return path

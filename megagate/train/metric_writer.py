@@ -7,9 +7,7 @@ Only the logging rank (last pipeline stage, first tensor/data-parallel rank) wri
 from __future__ import annotations
 
 import math
-import sys
 import time
-from typing import Any
 
 import torch
 
@@ -122,9 +120,3 @@ class Metrics:
 def _duration(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-def log(message: str, *, file: Any = sys.stdout) -> None:
-    """Print once per job (global rank 0)."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(message, file=file, flush=True)

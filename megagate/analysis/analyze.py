@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
+from megagate.analysis import plotting
 from megagate.monitor import diagnostics as D
-from megagate.monitor import plotting
 
 SAMPLE_TEXT = (
     "The gate is a small projection of the attention input followed by a sigmoid. It multiplies the output of "

@@ -1,8 +1,8 @@
-"""The model description: `ModelConfig` (a gated GPT, dense or MoE), `ParallelConfig`, and the presets.
+"""The model description: `ModelConfig` (a gated GPT, dense or MoE, with its own checks) and `ParallelConfig`.
 
-The paper's Table 7 models plus tiny CPU models. Dense gated models shrink their FFN so that the parameter count
-matches the baseline (the paper's rule), rounded to `ffn_multiple` so the width stays TP- and kernel-friendly.
-Pure data, no megatron (`megagate.model.build` turns these into megatron objects).
+Dense gated models shrink their FFN so that the parameter count matches the baseline (the paper's rule), rounded to
+`ffn_multiple` so the width stays TP- and kernel-friendly. Pure data, no megatron (`megagate.model.build` turns
+these into megatron objects); the named models are in `megagate.model.presets`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megagate.errors import ConfigError
-from megagate.model.counts import gate_parameter_count
 from megagate.model.gate import GateConfig
+from megagate.model.gate_params import gate_parameter_count
 
 
 @dataclass(frozen=True)
@@ -131,11 +131,13 @@ class ModelConfig:
             gate_parameter_count(
                 self.gate, self.hidden_size, self.num_attention_heads, self.num_query_groups, self.head_dim
             )
-            + self._sandwich_params()
+            + self.sandwich_norm_params
         )
         return matched_ffn_width(self.ffn_hidden_size, self.hidden_size, added, self.ffn_multiple)
 
-    def _sandwich_params(self) -> int:
+    @property
+    def sandwich_norm_params(self) -> int:
+        """Parameters per layer of the sandwich norms (the gate's `sandwich_norm`): two RMSNorm weights."""
         return 2 * self.hidden_size if self.gate.sandwich_norm else 0
 
     def with_gate(self, gate: GateConfig) -> ModelConfig:
@@ -266,94 +268,12 @@ def matched_ffn_width(ffn: int, hidden: int, added_per_layer: int, multiple: int
     return width
 
 
-# --- presets -------------------------------------------------------------------------------------------------------
-QWEN_VOCAB = 151_936
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # The paper's Table 7.
-    "1.7b-28l": dict(
-        num_layers=28,
-        hidden_size=2048,
-        num_attention_heads=16,
-        num_query_groups=8,
-        head_dim=128,
-        ffn_hidden_size=6144,
-        vocab_size=QWEN_VOCAB,
-        tie_embeddings=True,
-    ),
-    "1.7b-48l": dict(
-        num_layers=48,
-        hidden_size=1536,
-        num_attention_heads=16,
-        num_query_groups=8,
-        head_dim=128,
-        ffn_hidden_size=4608,
-        vocab_size=QWEN_VOCAB,
-        tie_embeddings=True,
-    ),
-    "15a2b-moe": dict(
-        num_layers=24,
-        hidden_size=2048,
-        num_attention_heads=32,
-        num_query_groups=4,
-        head_dim=128,
-        ffn_hidden_size=768,
-        vocab_size=QWEN_VOCAB,
-        tie_embeddings=False,
-        num_experts=128,
-        moe_router_topk=8,
-        moe_ffn_hidden_size=768,
-    ),
-    # Tiny models for CPU tests and the demo.
-    "tiny": dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=16,
-        ffn_hidden_size=192,
-        vocab_size=512,
-        max_sequence_length=128,
-        rotary_base=10_000,
-        # param-matched gated variants: G1's 4,096 gate weights per layer are a third of one FFN step of 64
-        # (3 x 64 x 64 = 12,288), so 64 left the FFN unshrunk (+3.6 %); steps of 2 keep the width even (TP 2, the
-        # most the 2 KV groups allow) and the difference within 2 x 3 x 64 x 2 / 2 = 384 parameters (0.3 %)
-        ffn_multiple=2,
-    ),
-    "tiny-moe": dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=16,
-        ffn_hidden_size=64,
-        vocab_size=512,
-        max_sequence_length=128,
-        rotary_base=10_000,
-        tie_embeddings=False,
-        num_experts=4,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=64,
-    ),
-}
-
-
-def _check_fields(values: Mapping[str, Any]) -> None:
+def check_fields(values: Mapping[str, Any]) -> None:
+    """Refuse a key that is not a ModelConfig field, naming the fields there are."""
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(values) - fields)
     if unknown:
         raise ConfigError(f"model.{unknown[0]} is not a model field; fields: {', '.join(sorted(fields))}")
-
-
-def model_preset(name: str, gate: GateConfig | None = None, **overrides: Any) -> ModelConfig:
-    """A preset ModelConfig with an optional gate and field overrides."""
-    if name not in PRESETS:
-        raise ConfigError(f"model preset {name!r} is unknown; known presets: {', '.join(PRESETS)}")
-    _check_fields(overrides)
-    values = {**PRESETS[name], **overrides}
-    if gate is not None:
-        values["gate"] = gate
-    return ModelConfig(**values)
 
 
 @dataclass(frozen=True)
@@ -366,13 +286,3 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     context_parallel_size: int = 1
     sequence_parallel: bool = False
-
-
-def from_dict(values: Mapping[str, Any], gate: GateConfig) -> ModelConfig:
-    """ModelConfig from a `preset` name plus field overrides (as in a YAML config's model section)."""
-    values = dict(values)
-    preset_name = values.pop("preset", None)
-    if preset_name is None:
-        _check_fields(values)
-        return ModelConfig(gate=gate, **values)
-    return model_preset(preset_name, gate=gate, **values)

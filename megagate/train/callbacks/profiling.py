@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import gc
 import os
-import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from megagate.config import ProfileSection, TrainConfig
-from megagate.train.callbacks.base import Callback
-
-if TYPE_CHECKING:
-    from megagate.train.trainer import StepOutput, Trainer
+from megagate.distributed.utils import get_rank
+from megagate.files import atomic_path
+from megagate.run_config import ProfileSection
+from megagate.run_setup import RunSetup
+from megagate.train.callbacks.base import Callback, StepOutput, TrainerView
 
 STEP_RANGE = "megagate.step#{}"  # the record_function name of one profiled step
 
@@ -29,20 +28,22 @@ STEP_RANGE = "megagate.step#{}"  # the record_function name of one profiled step
 class ManualGC(Callback):
     """Disable Python's collector for the run; collect every `interval` steps (Megatron-LM's --manual-gc)."""
 
+    priority = 50
+
     def __init__(self, interval: int) -> None:
         self.interval = interval
         self._was_enabled = True
 
-    def on_start(self, trainer: Trainer) -> None:
+    def on_start(self, trainer: TrainerView) -> None:
         self._was_enabled = gc.isenabled()
         gc.disable()
         gc.collect()  # start clean: what set-up left behind
 
-    def post_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         if output.step % self.interval == 0:
             gc.collect()
 
-    def on_close(self, trainer: Trainer) -> None:
+    def on_close(self, trainer: TrainerView) -> None:
         if self._was_enabled:
             gc.enable()
 
@@ -53,7 +54,10 @@ def trace_path(directory: str | os.PathLike, rank: int, steps: list[int]) -> Pat
 
 
 class Profiling(Callback):
-    """torch.profiler over steps [start, end] on the ranks in `profile.ranks` (NVTX ranges as well if `nvtx`)."""
+    """torch.profiler over steps [start, end] on the ranks in `profile.ranks` (NVTX ranges as well if `nvtx`). Its
+    step ranges wrap only the step: it comes before evaluation and checkpointing, which are not profiled."""
+
+    priority = 40
 
     def __init__(self, profile: ProfileSection, directory: str, *, nvtx: bool) -> None:
         assert profile.steps is not None
@@ -66,12 +70,9 @@ class Profiling(Callback):
         self._step_range: Any = None
         self._last_step = 0
 
-    def _rank(self) -> int:
-        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-    def on_step_start(self, trainer: Trainer, step: int) -> None:
+    def on_step_start(self, trainer: TrainerView, step: int) -> None:
         self._close_step()  # a step a restore() dropped never reached post_step
-        if step == self.start and self._profiler is None and self._rank() in self.ranks:
+        if step == self.start and self._profiler is None and get_rank() in self.ranks:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -87,12 +88,12 @@ class Profiling(Callback):
                 torch.cuda.nvtx.range_push(STEP_RANGE.format(step))
             self._last_step = step
 
-    def post_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         self._close_step()
         if self._profiler is not None and output.step >= self.end:
             self._finish()
 
-    def on_close(self, trainer: Trainer) -> None:
+    def on_close(self, trainer: TrainerView) -> None:
         # the run stopped inside the window: keep what was recorded
         self._close_step()
         if self._profiler is not None:
@@ -111,25 +112,14 @@ class Profiling(Callback):
             self._emit_nvtx = None
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
-        path = trace_path(self.directory, self._rank(), [self.start, min(self.end, self._last_step)])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # export_chrome_trace writes a file by name: write it beside the target, then rename (atomic)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            profiler.export_chrome_trace(tmp)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        path = trace_path(self.directory, get_rank(), [self.start, min(self.end, self._last_step)])
+        with atomic_path(path) as tmp:  # export_chrome_trace writes a file by name
+            profiler.export_chrome_trace(str(tmp))
 
 
-def perf_callbacks(cfg: TrainConfig) -> list[Callback]:
-    """The callbacks the perf section asks for on this machine."""
-    from megagate.perf import Device, resolve_perf
-
-    perf = resolve_perf(cfg, Device.detect())
+def perf_callbacks(setup: RunSetup) -> list[Callback]:
+    """The callbacks the perf section asks for on the run's machine (its resolved settings)."""
+    cfg, perf = setup.cfg, setup.perf
     callbacks: list[Callback] = []
     if perf.manual_gc_interval:
         callbacks.append(ManualGC(perf.manual_gc_interval))

@@ -63,7 +63,7 @@ def rule_for(name: str) -> Rule:
         if rule.pattern.search(name):
             return rule
     raise ValueError(
-        f"no initialisation rule covers parameter {name!r}: add one to megagate.train.init.RULES, or declare a gate "
+        f"no initialisation rule covers parameter {name!r}: add one to megagate.model.init.RULES, or declare a gate "
         "parameter in megagate.model.gate_params"
     )
 
