@@ -20,6 +20,10 @@ from helpers import forked
 from helpers import tiny_runs as T
 from megagate.cli import main
 
+# ~80 s of CPU in all (a trainer run, five HF round trips, transformers' greedy decoding); test-fast keeps the interop
+# area through tests/interop/test_hf_layouts.py and test_hf_logits.py
+pytestmark = pytest.mark.slow
+
 
 def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HF folder's safetensors shards, read with safetensors itself."""

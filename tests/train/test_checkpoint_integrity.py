@@ -346,6 +346,7 @@ def test_crafted_pickle_is_refused_by_train(base, tmp_path, demo_dir):
     assert newest.is_dir() and not (run / "checkpoints" / "damaged").exists()  # refused, not taken for damage
 
 
+@pytest.mark.slow  # a real run with four checkpoints (the scanner tests above stay fast)
 @pytest.mark.parametrize("name", [".metadata", "rng_0.pt", "common.pt"])
 def test_crafted_pickle_is_refused_by_analyze(base, tmp_path, name, capsys):
     """`megagate analyze` (in this process: the refusal comes before anything is built) on each crafted file."""
