@@ -163,15 +163,12 @@ def main() -> int:
     if args.rounds * args.steps_per_round < 2:
         parser.error("need at least 2 timed steps per variant (--rounds x --steps-per-round) for quartiles")
 
-    import warnings
-
     import torch
 
-    from megagate.cli import _quiet_optional_dependency_notices
+    from megagate import console
     from megagate.distributed import parallel
 
-    _quiet_optional_dependency_notices()
-    warnings.filterwarnings("ignore", category=UserWarning)  # megatron's deprecation notices, once per model built
+    console.install()  # the CLI's console: megatron's known notices (once per model built) filtered
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as stack:
         with quiet_stdout():

@@ -14,12 +14,14 @@ import sys
 import typing
 from types import ModuleType
 
+from megagate import console
 from megagate.errors import MegagateError
 
 # name -> one-line help; the module is megagate.commands.<name> (or _MODULES[name])
 COMMANDS: dict[str, str] = {
     "train": "train a gated GPT from a YAML config (torchrun, srun or a single process)",
     "plan": "per-GPU memory and step time of a config on N nodes (--search: the fitting layouts, fastest first)",
+    "calibrate": "measure this machine (GEMMs, attention, bandwidth, collectives, trainer overheads) into a device profile",
     "submit": "render and submit a Slurm batch job for a training config",
     "sweep": "run a stability grid (learning rates x gate variants x seeds) locally or as a Slurm job array",
     "report": "aggregate run directories into a table (loss, ppl, spikes, divergence, F-Attn, M-Act) and plots",
@@ -71,34 +73,25 @@ def command_module(name: str) -> ModuleType:
 def build_parser() -> argparse.ArgumentParser:
     """The full parser with every sub-command (imports every command module: for --help and tests)."""
     parser = argparse.ArgumentParser(prog="megagate", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help=f"show the known third-party notices megagate.console filters (or set {console.VERBOSE_ENV}=1)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         command_module(name).add_arguments(sub.add_parser(name, help=help_text, description=help_text))
     return parser
 
 
-def _quiet_optional_dependency_notices() -> None:
-    # megatron and torch announce, at import, every optional accelerator library that is absent (TE, apex, CUDA);
-    # that is expected on CPU machines and says nothing about the run.
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (is|are) not installed.*")
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    # Notices megatron 0.19 prints on every run about its own API transitions, not about the user's run.
-    for message in ("full scope is deprecated", "MimoModelConfig is experimental", "The .grad attribute of a Tensor"):
-        warnings.filterwarnings("ignore", message=f".*{message}.*")
-    for name, text in (
-        ("megatron.core.distributed.distributed_data_parallel", "full_param_layout not provided"),
-        ("megatron.core.dist_checkpointing.strategies.torch", "async save is deprecated"),
-    ):
-        logging.getLogger(name).addFilter(lambda record, text=text: text not in record.getMessage())
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: run a sub-command; user errors print one line and exit 2."""
-    _quiet_optional_dependency_notices()
+    """Entry point: run a sub-command; user errors print one line and exit 2. `megagate --verbose COMMAND` shows
+    the third-party notices megagate.console filters."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--verbose"]:
+        argv = argv[1:]
+        console.set_verbose()
+    console.install()
     if not argv or argv[0] not in COMMANDS:
         build_parser().parse_args(argv)  # prints help or the "invalid choice" error and exits
         return 2

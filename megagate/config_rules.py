@@ -72,6 +72,8 @@ def check_rules(cfg: TrainConfig) -> None:
         raise ConfigError("data.tokenizer is required with data.blend (the tokenizer the data was preprocessed with)")
     if cfg.checkpoint.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
+    if cfg.checkpoint.async_check_interval < 1:
+        raise ConfigError(f"checkpoint.async_check_interval={cfg.checkpoint.async_check_interval} must be >= 1 (steps)")
 
 
 def _check_optimizer(t: TrainSection) -> None:

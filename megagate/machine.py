@@ -1,4 +1,4 @@
-"""`Machine`: what the machine a run is on offers (a GPU, Transformer Engine, DeepEP, apex), as the perf rules, the
+"""`Machine`: what the machine a run is on offers (a GPU, Transformer Engine, DeepEP, apex's kernels), as the perf rules, the
 machine checks and the run set-up need it.
 
 `Machine.detect()` is this machine, probed once per process; `Machine.target(cfg)` is the GPU node a config is
@@ -26,6 +26,7 @@ class Machine:
     capability: tuple[int, int] | None = None  # CUDA compute capability
     deep_ep: bool | None = None  # DeepEP (the flex dispatcher's backend) imports
     apex: bool | None = None  # apex's fused_weight_gradient_mlp_cuda (gradient-accumulation fusion) imports
+    softmax_kernels: bool | None = None  # megatron's fused softmax kernels (apex's CUDA extensions) import
 
     @classmethod
     def detect(cls) -> Machine:
@@ -36,6 +37,7 @@ class Machine:
     def _probe(cls) -> Machine:
         import torch
 
+        from megagate import extensions
         from megagate.model.kernels import transformer_engine_available
 
         gpu = torch.cuda.is_available()
@@ -44,7 +46,8 @@ class Machine:
             te=gpu and transformer_engine_available(),
             capability=tuple(torch.cuda.get_device_capability()) if gpu else None,
             deep_ep=importlib.util.find_spec("deep_ep") is not None,
-            apex=importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+            apex=extensions.available(extensions.GRADIENT_ACCUMULATION),
+            softmax_kernels=extensions.available(extensions.FUSED_SOFTMAX),
         )
 
     @classmethod

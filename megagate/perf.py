@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from megagate import extensions
 from megagate.errors import ConfigError
 from megagate.machine import Machine
 from megagate.model.kernels import CORE_ATTENTIONS, resolve_backend
@@ -74,6 +75,11 @@ class ResolvedPerf:
     fp8_format: str | None  # None: no FP8
     moe_router_padding_for_fp8: bool
     cpu_off: tuple[str, ...] = ()  # the GPU settings the CPU switched off
+    gpu_off: tuple[str, ...] = ()  # GPU defaults off on this GPU because their kernels are missing: one reason each
+
+    def gpu_line(self) -> str | None:
+        """The one line a GPU run prints when a GPU default is off for a missing kernel (None when none is)."""
+        return f"perf: on this GPU: {'; '.join(self.gpu_off)}" if self.gpu_off else None
 
     def cpu_line(self) -> str | None:
         """The one line a CPU run prints (None when nothing was switched off)."""
@@ -124,6 +130,8 @@ class ResolvedPerf:
             lines.append(f"perf fp8: format {self.fp8_format}")
         if self.cpu_off:
             lines.append(self.cpu_line() or "")
+        if self.gpu_off:
+            lines.append(self.gpu_line() or "")
         return lines
 
 
@@ -157,7 +165,8 @@ def resolve_perf(cfg: TrainConfig, machine: Machine) -> ResolvedPerf:
         bias_dropout_fusion=auto(p.bias_dropout_fusion, True),
         # TE's fused RoPE kernel; YaRN's scaled frequencies go through megatron's unfused path
         apply_rope_fusion=auto(p.apply_rope_fusion, backend_te and m.position_embedding == "rope"),
-        masked_softmax_fusion=auto(p.masked_softmax_fusion, True),
+        # megatron imports apex's softmax kernels whenever this is on (megagate.extensions): off where they are absent
+        masked_softmax_fusion=auto(p.masked_softmax_fusion, machine.softmax_kernels is not False),
         cross_entropy_loss_fusion=auto(p.cross_entropy_loss_fusion, True),
         # the output layer is megatron's own ColumnParallelLinear: it needs apex's kernel even under TE
         gradient_accumulation_fusion=auto(p.gradient_accumulation_fusion, machine.apex is not False),
@@ -169,6 +178,7 @@ def resolve_perf(cfg: TrainConfig, machine: Machine) -> ResolvedPerf:
     modules = None if p.recompute_modules is None else tuple(p.recompute_modules)
     dtypes = {name: getattr(p, name) for name in OPTIMIZER_DTYPES}
     cpu_off: list[str] = []
+    gpu_off = _kernels_missing(p, machine)
     values = dict(gpu)
     if not machine.gpu:
         cpu: dict[str, Any] = dict(
@@ -213,8 +223,22 @@ def resolve_perf(cfg: TrainConfig, machine: Machine) -> ResolvedPerf:
         fp8_format=fp8,
         moe_router_padding_for_fp8=bool(fp8) and m.is_moe and auto(t.moe_router_padding_for_fp8, True),
         cpu_off=tuple(cpu_off),
+        gpu_off=gpu_off,
         **dtypes,
         **values,
+    )
+
+
+def _kernels_missing(p: Any, machine: Machine) -> tuple[str, ...]:
+    """Why each GPU fusion left on auto is off on this GPU: its kernel modules do not import (megagate.extensions)."""
+    checks = (
+        ("masked_softmax_fusion", machine.softmax_kernels, extensions.FUSED_SOFTMAX, "torch's softmax instead"),
+        ("gradient_accumulation_fusion", machine.apex, extensions.GRADIENT_ACCUMULATION, "unfused weight gradients"),
+    )
+    return tuple(
+        f"{key} off ({', '.join(modules)} not installed: {instead})"
+        for key, present, modules, instead in checks
+        if machine.gpu and getattr(p, key) is None and present is False
     )
 
 
@@ -267,6 +291,11 @@ def check_perf(cfg: TrainConfig, r: ResolvedPerf) -> None:
         raise ConfigError(
             "perf.gradient_accumulation_fusion=true needs apex's fused_weight_gradient_mlp_cuda, which is not "
             "installed (megatron's output layer uses it)"
+        )
+    if p.masked_softmax_fusion and p.core_attention == "local" and machine.gpu and machine.softmax_kernels is False:
+        raise ConfigError(
+            "perf.masked_softmax_fusion=true with perf.core_attention=local needs megatron's fused softmax kernels "
+            "(scaled_masked_softmax_cuda, from apex), which are not installed; leave it unset or false"
         )
     _check_recompute_modules(cfg, r)
     _check_cuda_graphs(cfg, r)

@@ -10,6 +10,8 @@ Sections (Megatron-LM's names for the parallel sizes):
     checkpoint: dir, interval, keep_last, load, optimizer_format
     logging:    interval, tensorboard
     monitor:    spike monitor and live diagnostics (megagate.monitor.settings)
+    watchdog:   hang detection: phase limits, heartbeat (megagate.health.config)
+    straggler:  slow-rank reports: window, margin (megagate.health.config)
     perf:       performance features (fusions, grouped GEMM, overlap, CUDA graphs, manual GC, profiling) resolved
                 per machine by `megagate.perf.resolve_perf` (docs/performance.md)
     output:     dir
@@ -33,6 +35,7 @@ from typing import Any
 from megagate.distributed import layout as layout_rules
 from megagate.distributed.layout import Layout
 from megagate.errors import ConfigError
+from megagate.health.config import StragglerConfig, WatchdogConfig
 from megagate.model import gate as gates
 from megagate.model.model_config import ModelConfig, ParallelConfig
 from megagate.model.presets import from_dict as model_from_dict
@@ -107,6 +110,9 @@ class DataSection:
 class CheckpointSection:
     dir: str | None = None  # default: <output.dir>/checkpoints
     interval: int = 0  # steps between saves (0: only at the end and on a stop request)
+    # a checkpoint at the end of every launch that trained (completed, stopped, aborted); false: none there (a
+    # throw-away run, a benchmark: a stopped launch then resumes from its last interval checkpoint, if any)
+    save_final: bool = True
     keep_last: int = 2
     load: bool = True  # resume from the latest good checkpoint in dir
     # a fresh run (nothing to resume in dir) starts from these weights (another run's checkpoint, its root or run
@@ -115,6 +121,11 @@ class CheckpointSection:
     # dp_reshardable: each rank saves its own optimizer shard (no gather); a resume may change only the DP size.
     # fully_reshardable gathers the DP group's state onto one rank per save and allows any TP/PP/EP change.
     optimizer_format: str = "dp_reshardable"
+    # the step loop goes on while the shards are written by a background process (megatron's async
+    # dist_checkpointing); manifest, rename and keep_last at finalisation. None: asynchronous with CUDA (the shards
+    # are first copied to host memory), synchronous on CPU
+    async_save: bool | None = None
+    async_check_interval: int = 10  # steps between the ranks' checks that a background write finished
 
 
 @dataclass(frozen=True)
@@ -190,6 +201,8 @@ class TrainConfig:
     output: OutputSection = OutputSection()
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     perf: PerfSection = field(default_factory=PerfSection)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
     seed: int = 1234
     raw: dict = field(default_factory=dict, compare=False, repr=False)  # the merged YAML, for the run directory
 
@@ -216,7 +229,20 @@ def _model(values: Any) -> ModelConfig:
     return model_from_dict(values, gate)
 
 
-SECTIONS = ("model", "parallel", "train", "data", "checkpoint", "logging", "output", "monitor", "perf", "seed")
+SECTIONS = (
+    "model",
+    "parallel",
+    "train",
+    "data",
+    "checkpoint",
+    "logging",
+    "output",
+    "monitor",
+    "perf",
+    "watchdog",
+    "straggler",
+    "seed",
+)
 
 
 def _perf(values: Any) -> PerfSection:
@@ -244,6 +270,8 @@ def parse(data: Mapping[str, Any]) -> TrainConfig:
         output=build_section(OutputSection, data.get("output"), "output"),
         monitor=MonitorConfig.from_dict(data.get("monitor")),
         perf=_perf(data.get("perf")),
+        watchdog=WatchdogConfig.from_dict(data.get("watchdog")),
+        straggler=StragglerConfig.from_dict(data.get("straggler")),
         seed=check_type(data.get("seed", 1234), int, "seed"),
         raw=dict(data),
     )

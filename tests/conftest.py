@@ -16,6 +16,11 @@ from helpers.cpu_durations import pytest_addoption, pytest_runtest_protocol, pyt
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 warnings.filterwarnings("ignore")
+# the CLI's console (megagate.console) for in-process tests too: a third-party log record printed while a test
+# builds a model would otherwise land in the stderr a test reads (tests call megagate.cli.main in process)
+from megagate import console  # noqa: E402
+
+console.install()
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +62,20 @@ _session_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 os.environ[SESSION_MARKER] = _session_id
 # the local Slurm cluster's daemons are stopped by their fixture; never count them as test leftovers
 _DAEMONS = {"slurmctld", "slurmd", "slurmdbd", "munged", "slurmstepd"}
+
+
+@pytest.fixture(autouse=True)
+def _restore_signal_handlers():
+    """`megagate train` run in this process (the CLI, in-process) installs its stop-signal handlers and Ctrl-C's
+    wakeup pipe (megagate.train.signals.install_early); the next test gets the session's own back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup)
+    yield
+    for s, handler in saved.items():
+        if handler is not None:
+            signal.signal(s, handler)
+    signal.set_wakeup_fd(wakeup)
 
 
 @pytest.fixture(autouse=True)

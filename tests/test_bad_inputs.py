@@ -125,6 +125,39 @@ def w(tmp_path_factory) -> dict[str, str]:
     (d / "hf_badjson").mkdir()
     (d / "hf_badjson" / "config.json").write_text('{"model_type": ')
     p["hf_badjson"] = str(d / "hf_badjson")
+    # a device profile whose GEMM rate is negative (everything else well-formed)
+    profile = {
+        "schema": 1,
+        "name": "cpu",
+        "kind": "cpu",
+        "memory_bytes": 2**34,
+        "gemm": {"fp32": {"rate": -1.0, "half": 8.0, "latency": 1e-6}},
+        "attention": {"sdpa": {"rate": 1e9, "latency": 1e-5}},
+        "memory_bandwidth": 1e10,
+        "intra": {"latency": 1e-4, "bandwidth": 1e9},
+        "inter": {"latency": 1e-4, "bandwidth": 1e9},
+        "host": {
+            "per_step": 0.01,
+            "per_microbatch": 0.001,
+            "per_layer": 0.001,
+            "per_layer_gate": 0.0,
+            "per_layer_moe": 0.0,
+        },
+    }
+    (d / "bad_profile.json").write_text(json.dumps(profile))
+    p["bad_profile"] = str(d / "bad_profile.json")
+    # a Qwen3 config.json with a RoPE scaling megatron cannot build (dynamic NTK)
+    from megagate.interop import hf
+    from megagate.model import gate as gates
+    from megagate.model.presets import model_preset
+
+    (d / "hf_dynamic").mkdir()
+    config = {
+        **hf.hf_config(model_preset("tiny", gate=gates.preset("baseline")), "qwen3"),
+        "rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
+    }
+    (d / "hf_dynamic" / "config.json").write_text(json.dumps(config))
+    p["hf_dynamic"] = str(d / "hf_dynamic")
     (d / "run_ok").mkdir()
     (d / "run_ok" / "metrics.jsonl").write_text(good_metrics)
     p["run_ok"] = str(d / "run_ok")
@@ -181,6 +214,7 @@ CASES = [
     C("wsd-decay-too-long", f"{DRY} train.lr_schedule=wsd train.wsd_decay_steps=61", "train.wsd_decay_steps (61)"),
     C("wsd-decay-zero", f"{DRY} train.lr_schedule=wsd train.wsd_decay_steps=0", "train.wsd_decay_steps (0)"),
     C("checkpoint-interval-neg", f"{DRY} checkpoint.interval=-1", "checkpoint.interval=-1"),
+    C("save-final-word", f"{DRY} checkpoint.save_final=sometimes", "checkpoint.save_final='sometimes'"),
     C("eval-interval-neg", f"{DRY} train.eval_interval=-5", "train.eval_interval=-5"),
     C("wall-time-zero", f"{DRY} train.wall_time_limit=0", "train.wall_time_limit=0"),
     C("wall-time-neg", f"{DRY} train.wall_time_limit=-10", "train.wall_time_limit=-10"),
@@ -406,6 +440,7 @@ CASES = [
     C("import-model-type", "import {hf_llama} --out {work}/ck", "llama", "ck"),
     C("import-unknown-format", "import {hf_llama} --format gguf --out {work}/ck", "gguf", "ck"),
     C("import-out-not-empty", "import {hf_llama} --out {d}", "{d}"),
+    C("import-rope-dynamic", "import {hf_dynamic} --out {work}/ck", "rope_type='dynamic'", "ck"),
     C("analyze-hf-model-type", "analyze {hf_llama}", "llama", "analysis"),
     # --- eval (the cases that need a trained checkpoint are in tests/eval/test_eval.py) ---------------------------
     C("eval-missing-checkpoint", "eval {work}/ckpt --data {ds} --seq-lengths 16", "ckpt", "eval"),
@@ -421,13 +456,24 @@ CASES = [
     C("eval-samples-zero", "eval {work}/ckpt --data {ds} --seq-lengths 16 --samples 0", "0"),
     C("train-position-embedding", f"{TRAIN} model.position_embedding=alibi", "alibi"),
     C("train-yarn-without-yarn", f"{TRAIN} model.yarn_factor=4", "yarn_factor"),
+    C(
+        "train-llama3-without-scaling",
+        f"{TRAIN} model.rope_scaling_original_max_position_embeddings=128",
+        "rope_scaling",
+    ),
+    C("train-llama3-bands", f"{TRAIN} model.rope_scaling=true model.rope_scaling_high_freq_factor=0.5", "0.5"),
     C("variants-model", "variants --models huge", "huge"),
     C("variants-variant", "variants --variants g9", "g9"),
     # --- plan, and the memory plan of submit / train --dry-run -----------------------------------------------------
     C("plan-nodes-zero", "plan {base} --nodes 0", "0"),
     C("plan-gpu", "plan {base} --nodes 1 --gpu h999", "h999"),
-    C("plan-mfu", "plan {base} --nodes 1 --mfu 0", "0"),
-    C("plan-mfu-nan", "plan {base} --nodes 1 --mfu nan", "nan"),
+    C("plan-profile-missing", "plan {base} --nodes 1 --profile {work}/none.json", "none.json"),
+    C("plan-profile-not-json", "plan {base} --nodes 1 --profile {base}", "not a JSON device profile"),
+    C("plan-profile-bad-field", "plan {base} --nodes 1 --profile {bad_profile}", "gemm.fp32.rate"),
+    C("plan-imbalance", "plan {base} --nodes 1 --routing-imbalance 0.5", "0.5"),
+    C("calibrate-budget", "calibrate --budget-s 0 --out {work}/p.json", "0", "p.json"),
+    C("calibrate-out-folder", "calibrate --out {work}", "folder"),
+    C("calibrate-out-missing-folder", "calibrate --out {work}/no/p.json", "does not exist"),
     C("plan-margin", "plan {base} --nodes 1 --margin-gb -1", "-1"),
     C("plan-bandwidth", "plan {base} --nodes 1 --inter-node-gbs 0", "0"),
     C("plan-top", "plan {base} --nodes 1 --search --top 0", "0"),
@@ -500,6 +546,7 @@ def test_table_is_large_and_distinct():
         "report",
         "variants",
         "plan",
+        "calibrate",
     ):
         assert command in commands, command
 

@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     # the package root, errors, files, console and the rank helpers (torch only) may be imported by every layer
     ("megagate", "megagate.errors", "megagate.distributed.utils"),
     ("megagate.model",),
-    ("megagate.distributed",),
+    ("megagate.distributed", "megagate.health"),
     ("megagate.data",),
     ("megagate.monitor",),  # live monitoring: the spike detector, faults, diagnostics, events, run files
     ("megagate.analysis",),  # offline analysis of models and run directories
@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("megagate.checkpoint",),  # the checkpoint format: naming, manifest, safe loading, the Checkpointer
     ("megagate.model_factory",),  # the one place models are built and loaded
     ("megagate.train",),
+    ("megagate.calibrate",),  # measures kernels and the trainer's overheads into a megagate.plan profile
     ("megagate.evaluate",),
     # hf / hf_config / hf_weights import only megagate.model; hf_io reads and writes checkpoints
     ("megagate.interop",),
@@ -165,3 +166,20 @@ def test_cycle_finder_finds_a_planted_cycle():
 def test_no_module_over_450_lines():
     long = {m: n for m, p in modules().items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > 450}
     assert long == {}
+
+
+def test_models_are_built_by_the_factory_only():
+    """megatron models are built in one place (megagate.model_factory, from a RunSetup); model.build holds the
+    builders themselves (and a meta-device parameter count), run_setup the TransformerConfig of a set-up."""
+    allowed = {
+        "build_gpt_model": {"megagate.model.build", "megagate.model_factory"},
+        "transformer_config": {"megagate.model.build", "megagate.run_setup"},
+        "GPTModel": {"megagate.model.build"},
+    }
+    callers: dict[str, set[str]] = {name: set() for name in allowed}
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in allowed:
+                callers[node.func.id].add(module)
+    assert {name: sorted(found - allowed[name]) for name, found in callers.items()} == {n: [] for n in allowed}
+    assert callers["build_gpt_model"] == allowed["build_gpt_model"]  # the check sees the real call sites

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megagate.analysis import aggregate, report_plots
+from megagate.analysis.health_report import health_section
 from megagate.analysis.replay import replay_events
 from megagate.errors import MegagateError
 from megagate.files import write_atomic
@@ -366,6 +367,7 @@ def report(
     text = table(results) + "\n\nover seeds, per (sweep, setting, variant, lr):\n" + group_table(groups)
     if replay is not None:
         text += f"\n(monitor events replayed over the logged curves with monitor.spike = {replay.to_dict()})"
+    text += health_section([r.run_dir for r in results], [r.label for r in results])
     if out_dir is not None:
         out = Path(out_dir)
         report_plots.plot_loss_curves(results, out / "loss_curves.png")

@@ -10,7 +10,12 @@ One module per job, re-exported here (`from megagate import checkpoint as ckpt`)
 - `rng`          every RNG state of a rank, saved as data
 - `state`        the sharded state dicts (model chunks, optimizer format) and megatron's optimizer quirks
 - `space`        the next checkpoint's size and the free-space refusal
-- `checkpointer` `Checkpointer`: atomic verified save, newest-good resume with fallback, keep-last-K, init_from
+- `writer`       megatron's save as an AsyncRequest, its writer wrapped: each rank checksums what it wrote and
+                 records a failure naming itself; the cluster faults' injection point
+- `background`   asynchronous saves: megatron's AsyncCallsQueue (a forked writer per save), when the ranks agree a
+                 write is done
+- `checkpointer` `Checkpointer`: atomic verified save (synchronous or in the background), newest-good resume with
+                 fallback, keep-last-K, init_from
 """
 
 from megagate.checkpoint.checkpointer import Checkpointer, Resumed

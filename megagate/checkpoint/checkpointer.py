@@ -7,9 +7,11 @@ Layout under the checkpoint root:
     .iter_0000060.tmp/       a save in progress (or killed): never loaded, removed by the next save
     damaged/iter_0000020/    a checkpoint that failed verification or loading on resume, moved aside (never deleted)
 
-A save writes everything into the temporary folder, hashes it (each rank a share of the files) into the manifest,
-then rank 0 renames it to its final name, so a crash during a save never damages the last good checkpoint and
-`latest()` only ever sees complete ones. Before writing, the free space is compared with the checkpoint's expected
+A save writes everything into the temporary folder (each rank's writer checksums the files it wrote), then rank 0
+writes the manifest and renames the folder to its final name, so a crash during a save never damages the last good
+checkpoint and `latest()` only ever sees complete ones. With `background=True` the shards are written by a forked
+process while training goes on (megagate.checkpoint.background) and the manifest, the rename and keep_last come at
+finalisation (`poll()` once per step, `wait()`); a write that fails on one rank names that rank and its host. Before writing, the free space is compared with the checkpoint's expected
 size; a failed write (no space, no permission) removes the temporary folder and is one line. On resume
 (`Checkpointer.resume`) every candidate, newest first, is first checked to hold data only (`safe_files`: a crafted
 pickle is refused), then verified against its manifest and loaded; a damaged one is moved aside with a one-line
@@ -22,10 +24,10 @@ per save (about 37 GB of host memory per rank for 15A2B on 64 GPUs) and allows a
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +35,8 @@ from typing import Any
 
 import torch
 
-from megagate.checkpoint import safe_files
+from megagate.checkpoint import failures, safe_files, writer
+from megagate.checkpoint.background import BackgroundWrites
 from megagate.checkpoint.manifest import MANIFEST, damage, first_reason, records
 from megagate.checkpoint.naming import (
     DAMAGED,
@@ -47,11 +50,27 @@ from megagate.checkpoint.naming import (
 from megagate.checkpoint.rng import rng_state, set_rng_state
 from megagate.checkpoint.space import check_free_space
 from megagate.checkpoint.state import materialize_optimizer_state, saved_optimizer_format, sharded_state
-from megagate.console import warn
+from megagate.console import log, warn
 from megagate.distributed import megatron_cpu
 from megagate.distributed.utils import barrier, broadcast_object, gather_objects, get_rank, get_world_size
 from megagate.errors import MegagateError
 from megagate.files import publish_dir
+from megagate.health import progress
+from megagate.monitor import process_faults
+
+_RANK0_FILES = (".metadata", "metadata.json", "common.pt", META)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A save whose shards are being written: finalised into `final` once every rank's writer is done."""
+
+    step: int
+    tmp: Path
+    final: Path
+    wrote: bool  # this rank had shards to write
+    started: float
+    background: bool
 
 
 @dataclass(frozen=True)
@@ -69,17 +88,35 @@ class Checkpointer:
     Every method is collective in a distributed run: every rank must call it.
     """
 
-    def __init__(self, root: str | os.PathLike, keep_last: int = 2, optimizer_format: str = "dp_reshardable"):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        keep_last: int = 2,
+        optimizer_format: str = "dp_reshardable",
+        *,
+        check_interval: int = 10,
+        on_saved: Callable[[Path, int], None] | None = None,
+    ):
         self.root = Path(root)
         self.keep_last = keep_last
         self.optimizer_format = optimizer_format
+        self.on_saved = on_saved  # called on every rank when a checkpoint is complete (path, step)
+        self._background = BackgroundWrites(check_interval)
+        self._pending: _Pending | None = None
+
+    @property
+    def pending(self) -> bool:
+        """A background save is being written (not yet a checkpoint)."""
+        return self._pending is not None
 
     # --- save ------------------------------------------------------------------------------------------------------
     def _fail_if_any(self, error: str | None, tmp: Path) -> None:
-        """Raise on every rank when any rank failed a step of the save; the temporary folder is removed."""
-        error = first_reason(gather_objects(error))
-        if error is None:
+        """Raise on every rank when any rank failed a step of the save; the temporary folder is removed. The reason
+        that names a rank (its writer's own record) wins over the others' ("a write failed elsewhere")."""
+        reasons = [r for r in gather_objects(error) if r]
+        if not reasons:
             return
+        error = next((r for r in reasons if r.startswith("rank ")), reasons[0])
         if get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         barrier()
@@ -87,10 +124,13 @@ class Checkpointer:
         kept = f"; the last good checkpoint {good} is unchanged" if good else ""
         raise MegagateError(f"cannot write checkpoint {tmp}: {error}{kept}")
 
-    def save(self, step: int, model_chunks: list, optimizer: Any, meta: dict) -> Path:
-        """Save a checkpoint for `step`; returns its final path. Every rank must call it."""
-        from megatron.core import dist_checkpointing
+    def save(self, step: int, model_chunks: list, optimizer: Any, meta: dict, background: bool = False) -> Path:
+        """Save a checkpoint for `step`; returns its final path. Every rank must call it.
 
+        `background`: the shards are written by a forked process while training goes on; the checkpoint is complete
+        (manifest, rename, keep_last) when `poll()` or `wait()` finalises it. A pending save is finalised first.
+        """
+        self.wait()
         final = self.root / checkpoint_name(step)
         tmp = self.root / f".{checkpoint_name(step)}.tmp"
         check_free_space(self.root, final, model_chunks, optimizer)
@@ -102,57 +142,104 @@ class Checkpointer:
                     shutil.rmtree(stale, ignore_errors=True)
                 tmp.mkdir()
             except OSError as exc:
-                error = _os_message(exc)
+                error = failures.os_message(exc)
         self._fail_if_any(error, tmp)
         optimizer_format = saved_optimizer_format(optimizer, self.optimizer_format)
         meta = {**meta, "optimizer_format": optimizer_format}  # what was written, not what was asked for
         state = sharded_state(model_chunks, optimizer, optimizer_format, is_loading=False)
+        request = None
         try:
-            dist_checkpointing.save(state, str(tmp))
+            request = writer.prepare(state, tmp, step)
             torch.save(rng_state(), tmp / f"rng_{get_rank()}.pt")
-        except Exception as exc:  # megatron and torch DCP wrap the OSError of a failed write
-            cause = _os_error_in(exc)
-            if cause is None:
-                raise
-            error = _os_message(cause)
-        self._fail_if_any(error, tmp)
-        if get_rank() == 0:
-            try:
+            if get_rank() == 0:
                 (tmp / META).write_text(json.dumps({**meta, "step": step}, indent=1, default=str))
-            except OSError as exc:
-                error = _os_message(exc)
+        except failures.FAILURES as exc:  # megatron and torch DCP wrap the OSError of a failed write
+            error = failures.write_error(exc)
         self._fail_if_any(error, tmp)
-        # the manifest: rank 0 lists the folder, each rank checksums a share, rank 0 writes it and renames
-        names = broadcast_object(sorted(e.name for e in tmp.iterdir() if e.is_file()) if get_rank() == 0 else None)
+        pending = _Pending(step, tmp, final, request.async_fn is not None, time.monotonic(), background)
+        if background:
+            self._background.start(request)
+            self._pending = pending
+            log(f"saving checkpoint {final} in the background")
+            return final
+        try:
+            writer.run_now(request)
+        except failures.FAILURES as exc:  # a rank's write failed: megatron raises on every rank after its own barrier
+            error = failures.write_error(exc)
+        self._finalize(pending, error)
+        return final
+
+    def poll(self) -> None:
+        """Once per step on every rank: finalise a background save once every rank's writer has finished (the
+        ranks compare notes every `check_interval` steps only). A no-op without a pending save."""
+        if self._pending is not None and self._background.due():
+            self._finish_pending()
+
+    def wait(self) -> None:
+        """Finalise a pending background save now, waiting for its writers (collective)."""
+        if self._pending is not None:
+            self._finish_pending()
+
+    def abort(self) -> None:
+        """Kill a pending background writer without a collective (the run is failing): the previous checkpoint
+        stays the newest complete one."""
+        self._background.abort()
+        self._pending = None
+
+    def _finish_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        error = None
+        with progress.within("save"):  # the watchdog's save limit covers waiting for a writer
+            try:
+                self._background.finish()
+            except failures.FAILURES as exc:  # a rank's write failed: megatron raises on every rank
+                error = failures.write_error(exc)
+            self._finalize(pending, error)
+
+    def _finalize(self, pending: _Pending, error: str | None) -> None:
+        """The manifest (each rank's writer checksummed its own files; rank 0 the small ones), the rename and
+        keep_last, once every rank's shards are written (collective)."""
+        tmp, rank = pending.tmp, get_rank()
+        error = writer.own_error(tmp, rank) or error
+        self._fail_if_any(error, tmp)
         share: dict[str, dict[str, int]] = {}
         try:
-            share = records(tmp, names[get_rank() :: get_world_size()])
-        except OSError as exc:
-            error = _os_message(exc)
+            share = writer.own_records(tmp, rank, pending.wrote)
+            share.update(records(tmp, [f"rng_{rank}.pt"]))
+            if rank == 0:  # megatron's metadata (written at its finalisation) and megagate's
+                share.update(records(tmp, [n for n in _RANK0_FILES if (tmp / n).is_file()]))
+        except (OSError, ValueError) as exc:
+            error = f"rank {rank} ({failures.host()}): cannot checksum its files: {exc}"
         self._fail_if_any(error, tmp)
         shares = gather_objects(share)
-        if get_rank() == 0:
+        if rank == 0:
             files = {name: record for part in shares for name, record in part.items()}
             manifest = {
-                "step": step,
+                "step": pending.step,
                 "world_size": get_world_size(),
                 "total_bytes": sum(r["size"] for r in files.values()),
                 "files": dict(sorted(files.items())),
             }
             try:
+                writer.remove_own_files(tmp)
                 with open(tmp / MANIFEST, "w") as f:
                     json.dump(manifest, f, indent=1)
                     f.flush()
                     os.fsync(f.fileno())
                 # a re-save of the same step (e.g. stop request right after an interval save) replaces it
-                publish_dir(tmp, final)
+                publish_dir(tmp, pending.final)
             except OSError as exc:
-                error = _os_message(exc)
+                error = failures.os_message(exc)
         self._fail_if_any(error, tmp)
-        if get_rank() == 0:
+        if rank == 0:
             self._prune()  # only after a successful save: the new checkpoint is complete
         barrier()
-        return final
+        seconds = time.monotonic() - pending.started
+        progress.PROGRESS.record("save", seconds)  # sizes the watchdog's save limit
+        how = f"written in the background in {seconds:.1f} s" if pending.background else f"{seconds:.1f} s"
+        log(f"saved checkpoint {pending.final} ({how})")
+        if self.on_saved is not None:
+            self.on_saved(pending.final, pending.step)
 
     def _prune(self) -> None:
         for _, path in complete_checkpoints(self.root)[: -self.keep_last]:
@@ -174,6 +261,7 @@ class Checkpointer:
         # checkpoints from before the format was recorded were all written fully_reshardable (the old default)
         state = sharded_state(model_chunks, optimizer, meta.get("optimizer_format", "fully_reshardable"), True)
         handling = StrictHandling.RAISE_UNEXPECTED if strict else StrictHandling.ASSUME_OK_UNEXPECTED  # megatron's
+        process_faults.checkpoint_io("read", int(meta.get("step", 0)), path)
         loaded = dist_checkpointing.load(state, str(path), strict=handling)
         for i, chunk in enumerate(model_chunks):
             chunk.load_state_dict(loaded["model" if len(model_chunks) == 1 else f"model{i}"])
@@ -260,7 +348,18 @@ class Checkpointer:
                         load(path, same_layout)
                     else:
                         self.load(path, model_chunks, optimizer, same_layout)
-                except Exception as exc:  # damage the manifest cannot see (or a file megatron cannot parse)
+                except failures.FAILURES as exc:  # damage the manifest cannot see (or a file megatron cannot parse)
+                    failed = failures.failing_rank_error(exc)
+                    if failed is not None:
+                        # the file system failed a rank (an I/O error, a lost mount), not the checkpoint: say so now,
+                        # without a collective (the others may be inside megatron's load, waiting for this rank:
+                        # they leave when they see its failure, megagate.health), and move nothing aside
+                        rank, cause = failed
+                        who = f"rank {rank} ({failures.host()})" if rank == get_rank() else f"rank {rank}"
+                        raise MegagateError(
+                            f"{who} cannot read checkpoint {path}: {failures.os_message(cause)}"
+                            + (f": {cause.filename!r}" if cause.filename else "")
+                        ) from None
                     first_line = (str(exc).strip().splitlines() or [""])[0][:200]
                     reason = f"loading it failed: {type(exc).__name__}: {first_line}"
                 reason = first_reason(gather_objects(reason))
@@ -289,31 +388,7 @@ class Checkpointer:
                 os.replace(path, target)
                 where = str(target)
             except OSError as exc:
-                where = f"(not moved: {_os_message(exc)})"
+                where = f"(not moved: {failures.os_message(exc)})"
         where = broadcast_object(where)
         warn(f"checkpoint {path} is damaged ({reason}); moved to {where}; {next_step}")
         return where
-
-
-def _os_error_in(exc: BaseException) -> OSError | None:
-    """The OSError behind an exception (its cause/context chain, or a torch DCP CheckpointException's failures)."""
-    seen = set()
-    todo: list[BaseException] = [exc]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError):
-            return e
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            todo.extend(f for f in failures.values() if isinstance(f, BaseException))
-        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
-    return None
-
-
-def _os_message(exc: OSError) -> str:
-    name = errno.errorcode.get(exc.errno or 0, "")
-    text = exc.strerror or str(exc)
-    return f"{text} ({name})" if name else text

@@ -80,6 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     r.add_argument("--max-restarts", type=int, default=50)
     r.add_argument("--max-same-failures", type=int, default=3)
+    r.add_argument(
+        "--exclude-after-hangs",
+        type=int,
+        default=2,
+        metavar="N",
+        help="exclude a node from the job on requeue after N hangs blamed on it (0: never; default 2)",
+    )
     r.add_argument("--run-dir", default=None, help="restart state and scripts (default runs/<job-name>)")
     r.add_argument(
         "--progress-file",
@@ -134,6 +141,7 @@ def request_from_args(args: argparse.Namespace) -> SlurmRequest:
         signal_lead_s=args.signal_lead,
         max_restarts=args.max_restarts,
         max_same_failures=args.max_same_failures,
+        exclude_after_hangs=args.exclude_after_hangs,
         run_dir=args.run_dir,
         progress_file=args.progress_file,
         log_dir=args.log_dir,

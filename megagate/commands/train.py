@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from megagate.distributed import children, launch
+    from megagate.health import watchdog
     from megagate.train import runlock
     from megagate.train.trainer import train
 
@@ -113,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ["MASTER_PORT"] = str(_free_port())  # a single process: any free port, not a fixed one
     env = launch.init_process_group()
     locks: list = []
+    dog = None
     try:
         # every setting decided once for this machine; a bad layout or a perf setting this GPU cannot run is refused
         # before anything is built
@@ -121,10 +123,24 @@ def run(args: argparse.Namespace) -> int:
         locks = runlock.lock_for_run(cfg.output.dir, cfg.checkpoint_dir)
         # megatron's checkpoint-writer Manager ignores the stop signals and dies with this process
         children.install_checkpoint_writer_queue()
-        train(setup)
+        children.install_fork_hook()  # background checkpoint writers (forked) likewise
+        # progress records, hang detection, the other ranks' failures (megagate.health)
+        dog = watchdog.start(cfg.watchdog, cfg.output.dir)
+        try:
+            train(setup)
+        except BaseException as exc:
+            if dog is None or isinstance(exc, KeyboardInterrupt):
+                raise
+            code = dog.collateral_exit()  # a hang declared, or another rank failed first and said why
+            if code is not None:
+                return code
+            dog.publish_failure(exc)  # the other ranks exit now instead of waiting for this one in a collective
+            raise
     finally:
         from megatron.core import parallel_state
 
+        if dog is not None:
+            dog.stop()
         children.shutdown()
         parallel_state.destroy_model_parallel()
         if torch.distributed.is_initialized():

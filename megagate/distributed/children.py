@@ -9,7 +9,8 @@ Manager (and its resource tracker) behind as orphans.
 
 Here every child the trainer starts gets `child_init(parent_pid)`: SIG_IGN for SIGTERM/SIGUSR1/SIGINT, and
 `prctl(PR_SET_PDEATHSIG, SIGKILL)`, so the kernel kills it when the trainer dies (even of SIGKILL).
-`install_checkpoint_writer_queue()` creates megatron's results queue before the first save, from a Manager started
+A process forked from the trainer (megatron's background checkpoint writer) gets the same from a fork hook
+(`install_fork_hook`). `install_checkpoint_writer_queue()` creates megatron's results queue before the first save, from a Manager started
 with that initializer, with the stop signals blocked while it starts (a blocked mask is inherited through
 fork+exec, so no signal can land between the exec and the initializer; the resource tracker, an exec'd program
 that ignores SIGINT/SIGTERM itself, keeps SIGUSR1 blocked for its life and exits when its pipe closes, i.e. when
@@ -36,6 +37,7 @@ from typing import Any
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _manager: Any = None  # the SyncManager behind megatron's results queue (kept alive for the run)
+_fork_hook = False
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -78,6 +80,17 @@ def blocked_stop_signals() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def install_fork_hook() -> None:
+    """Every process forked from this one from now on (a background checkpoint writer: megatron forks one per
+    asynchronous save) ignores the stop signals and dies with this process. Once per process."""
+    global _fork_hook
+    if _fork_hook:
+        return
+    parent = os.getpid()
+    os.register_at_fork(after_in_child=lambda: child_init(parent))
+    _fork_hook = True
 
 
 def install_checkpoint_writer_queue() -> None:

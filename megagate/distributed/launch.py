@@ -379,13 +379,18 @@ def init_process_group(
     if environ is None:
         export_env(env)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{_bracket(env.master_addr)}:{env.master_port}",
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        from megagate import console
+
+        if backend == "gloo":
+            console.install_cpu()
+        with console.native_stdout_filtered():  # gloo prints a line per process group it creates
+            dist.init_process_group(
+                backend=backend,
+                init_method=f"tcp://{_bracket(env.master_addr)}:{env.master_port}",
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
     return env
 
 

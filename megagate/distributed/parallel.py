@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
+from megagate import console
 from megagate.distributed import launch, megatron_cpu
 from megagate.model.model_config import ParallelConfig
 
@@ -19,15 +20,16 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> Non
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     megatron_cpu.install()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
-        context_parallel_size=parallel.context_parallel_size,
-        expert_model_parallel_size=parallel.expert_model_parallel_size,
-        # megatron's groups time out with the world group (launch.distributed_timeout_minutes: save-safe)
-        distributed_timeout_minutes=launch.distributed_timeout_minutes(),
-    )
+    with console.native_stdout_filtered():  # gloo prints a line per process group it creates
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+            pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+            context_parallel_size=parallel.context_parallel_size,
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
+            # megatron's groups time out with the world group (launch.distributed_timeout_minutes: save-safe)
+            distributed_timeout_minutes=launch.distributed_timeout_minutes(),
+        )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
@@ -35,7 +37,12 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> Non
 def init_distributed(rank: int, world_size: int, init_file: str, backend: str | None = None) -> None:
     """torch.distributed over a shared file (tests, single-host runs); gloo without CUDA."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    torch.distributed.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    if backend == "gloo":
+        console.install_cpu()
+    with console.native_stdout_filtered():
+        torch.distributed.init_process_group(
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        )
 
 
 def destroy() -> None:

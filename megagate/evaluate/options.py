@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from megagate.errors import ConfigError, MegagateError
+from megagate.model import position
 from megagate.model.model_config import POSITION_FIELDS, ModelConfig
 
 RUN_DATA = "@run"  # the checkpoint's own validation split (its run's data, split and seed)
@@ -111,13 +112,15 @@ def with_overrides(model: ModelConfig, overrides: dict[str, Any], where: str) ->
 
 
 def check_lengths(model: ModelConfig, lengths: list[int], where: str) -> None:
-    """Refuse lengths the model's position embedding is not set up for (see ModelConfig.context_length)."""
+    """Refuse lengths the model's position embedding is not set up for (ModelConfig.context_length: every slow rotary
+    dim kept to angles seen within the context its scaling starts from, megagate.model.position)."""
     too_long = [n for n in lengths if n > model.context_length]
     if too_long:
-        kind = model.position_embedding + (" + rope_scaling" if model.rope_scaling else "")
+        hint = f"position_embedding=yarn yarn_factor={-(-too_long[0] // model.max_sequence_length)}"
+        if model.rope_scaling and model.rope_scaling_original_max_position_embeddings > model.max_sequence_length:
+            hint = f"rope_scaling_original_max_position_embeddings={model.max_sequence_length} (the length trained at)"
         raise MegagateError(
             f"{where}: length {too_long[0]} exceeds the {model.context_length} tokens the position embedding "
-            f"addresses ({kind}, max_sequence_length {model.max_sequence_length}); extend it with --rope (e.g. "
-            f"position_embedding=yarn yarn_factor={-(-too_long[0] // model.max_sequence_length)}, or "
-            f"max_sequence_length={too_long[0]} to extrapolate)"
+            f"addresses ({position.describe(model)}, max_sequence_length {model.max_sequence_length}); extend it "
+            f"with --rope (e.g. {hint}, or max_sequence_length={too_long[0]} to extrapolate)"
         )

@@ -1,7 +1,7 @@
 """Hugging Face formats: the interface `megagate export` / `import` / `analyze` use (config and tensors, in memory).
 
 FORMATS = ("qwen3", "qwen3_moe", "qwen3_next", "paper"); which models each holds, and their config.json, are in
-`megagate.interop.hf_config`; the tensor mapping (and Qwen3-Next's zero-size shared expert) in
+`megagate.interop.hf_config` (its `rope_scaling`: `megagate.interop.hf_rope`); the tensor mapping (and Qwen3-Next's zero-size shared expert) in
 `megagate.interop.hf_weights`; the q/k/v row layouts in `megagate.model.qkv_layout`. Both directions are exact:
 pure reindexing, bit-identical tensors, every key and shape checked (one-line ConfigError, never wrong weights).
 Files (safetensors, checkpoints) are `megagate.interop.hf_io`'s.

@@ -11,10 +11,10 @@ Formats (FORMATS), each exact for the models it accepts:
                 `headwise_attn_output_gate`, `use_qk_norm`, `qkv_bias`): baseline, G1 elementwise or G1 headwise
                 sigmoid gates, dense only (its decoder layer builds a dense MLP), plain RMSNorm weights
 
-Every format holds plain RoPE (rope_theta = model.rotary_base); only qwen3_next holds a partial rotary
-(partial_rotary_factor = rotary_percent). Anything else (LayerNorm, other gate variants, YaRN / interpolation /
-Llama-3 scaling, a baseline without QK-norm outside `paper`) is refused in one line naming the field and the formats
-that can hold the model.
+Every format holds RoPE (rope_theta = model.rotary_base) with `rope_scaling` linear, llama3 or yarn
+(megagate.interop.hf_rope); only qwen3_next holds a partial rotary (partial_rotary_factor = rotary_percent).
+Anything else (LayerNorm, other gate variants, two RoPE scalings at once, a baseline without QK-norm outside
+`paper`) is refused in one line naming the field and the formats that can hold the model.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from megagate.errors import ConfigError
+from megagate.interop import hf_rope
 from megagate.model import gate as gates
 from megagate.model.model_config import ModelConfig
 
@@ -74,12 +75,9 @@ def _problem(model: ModelConfig, fmt: str) -> str | None:
         return f"model.norm_zero_centered=true: the {fmt} format's norms are plain (w)"
     if not model.qk_layernorm and fmt != "paper":
         return f"model.qk_layernorm=false: the {fmt} format always has QK-norm (the paper format does not need it)"
-    if model.position_embedding != "rope":
-        return f"model.position_embedding={model.position_embedding!r}: the {fmt} config holds plain RoPE only"
-    if model.rotary_interpolation_factor is not None:
-        return f"model.rotary_interpolation_factor={model.rotary_interpolation_factor!r}: plain RoPE only"
-    if model.rope_scaling:
-        return "model.rope_scaling=true: the HF config holds plain RoPE only"
+    rope = hf_rope.problem(model)
+    if rope is not None:
+        return rope
     if model.rotary_percent != 1.0 and fmt != "qwen3_next":
         return f"model.rotary_percent={model.rotary_percent!r}: the {fmt} format rotates every head dim"
     return None
@@ -135,7 +133,7 @@ def hf_config(model: ModelConfig, fmt: str) -> dict[str, Any]:
         use_cache=True,
         tie_word_embeddings=model.tie_embeddings,
         rope_theta=float(model.rotary_base),
-        rope_scaling=None,
+        rope_scaling=hf_rope.to_hf(model),
         attention_bias=False,
         attention_dropout=0.0,
     )
@@ -233,7 +231,6 @@ def model_config_from_hf(config: Mapping[str, Any]) -> tuple[ModelConfig, str]:
     fmt = _detect_format(config)
     layers = _required(config, "num_hidden_layers")
     _refuse(config, "hidden_act", "silu", "SwiGLU with SiLU only")
-    _refuse(config, "rope_scaling", None, "plain RoPE only")
     _refuse(config, "attention_bias", False, "no biases")
     _refuse(config, "qkv_bias", False, "no biases")
     _refuse(config, "use_sliding_window", False, "full attention only")
@@ -258,6 +255,7 @@ def model_config_from_hf(config: Mapping[str, Any]) -> tuple[ModelConfig, str]:
         init_method_std=float(config.get("initializer_range", 0.02)),
         match_baseline_params=False,
         gate=gates.preset("baseline"),
+        **hf_rope.from_hf(config),
     )
     if fmt == "paper":
         elementwise = bool(config.get("elementwise_attn_output_gate", False))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -116,6 +115,7 @@ def build_gpt_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from megagate.model.rotary import fit_rotary
     from megagate.model.spec import gated_decoder_block_spec
 
     block = gated_decoder_block_spec(
@@ -126,7 +126,7 @@ def build_gpt_model(
         tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         core_attention=core_attention,
     )
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=block,
         vocab_size=model.vocab_size,
@@ -138,10 +138,11 @@ def build_gpt_model(
         rotary_base=model.rotary_base,
         rotary_percent=model.rotary_percent,
         seq_len_interpolation_factor=model.rotary_interpolation_factor,
-        rope_scaling=model.rope_scaling,
-        rope_scaling_factor=model.rope_scaling_factor,
+        rope_scaling=False,  # Llama-3 scaling with the model's own original context: fit_rotary
         vp_stage=vp_stage,
     )
+    fit_rotary(gpt, model, config)
+    return gpt
 
 
 def meta_parameter_count(model: ModelConfig) -> int:
@@ -153,12 +154,3 @@ def meta_parameter_count(model: ModelConfig) -> int:
     with torch.device("meta"):
         gpt = build_gpt_model(model, config)
     return sum(p.numel() for p in gpt.parameters())
-
-
-class _DropGPTModelDeprecation(logging.Filter):
-    # megatron 0.19 logs a deprecation warning for every GPTModel it builds; it stays the GPT path here.
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "GPTModel IS DEPRECATED" not in record.getMessage()
-
-
-logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_DropGPTModelDeprecation())

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megagate.errors import ConfigError
+from megagate.model import position
 from megagate.model.gate import GateConfig
 from megagate.model.gate_params import gate_parameter_count
 
@@ -35,16 +36,21 @@ class ModelConfig:
     rotary_base: int = 1_000_000
     # Position embedding (megatron's options; none of them changes a weight, so a context extension may change
     # them on resume or at evaluation). "rope" or "yarn"; rotary_percent: the share of each head's dims rotated;
-    # rotary_interpolation_factor: linear position interpolation (positions / factor); rope_scaling: megatron's
-    # Llama-3.x frequency scaling by rope_scaling_factor; yarn_*: YaRN (Peng et al. 2023) NTK-by-parts
-    # interpolation by yarn_factor from yarn_original_max_position_embeddings (None: max_sequence_length), ramp
-    # between yarn_beta_slow and yarn_beta_fast rotations, attention factor 0.1*yarn_mscale*ln(s)+1 (over the
-    # same with yarn_mscale_all_dim) applied to q and k.
+    # rotary_interpolation_factor: linear position interpolation (positions / factor); rope_scaling: Llama-3.x
+    # frequency scaling by rope_scaling_factor from rope_scaling_original_max_position_embeddings (wavelengths
+    # above original / low_freq_factor slowed by the factor, below original / high_freq_factor kept, smoothed
+    # between); yarn_*: YaRN (Peng et al. 2023) NTK-by-parts interpolation by yarn_factor from
+    # yarn_original_max_position_embeddings (None: max_sequence_length), ramp between yarn_beta_slow and
+    # yarn_beta_fast rotations, attention factor 0.1*yarn_mscale*ln(s)+1 (over the same with yarn_mscale_all_dim)
+    # applied to q and k. The reach of each: megagate.model.position.
     position_embedding: str = "rope"
     rotary_percent: float = 1.0
     rotary_interpolation_factor: float | None = None
     rope_scaling: bool = False
     rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
     yarn_factor: float = 1.0
     yarn_original_max_position_embeddings: int | None = None
     yarn_beta_fast: float = 32.0
@@ -150,12 +156,10 @@ class ModelConfig:
 
     @property
     def context_length(self) -> int:
-        """The longest sequence the position embedding is set up for: max_sequence_length, or the extension's
-        reach (yarn_factor x the original length; the interpolation / rope-scaling factor x max_sequence_length)."""
-        if self.position_embedding == "yarn":
-            return max(self.max_sequence_length, int(self.yarn_factor * self.yarn_original_length))
-        factor = (self.rotary_interpolation_factor or 1.0) * (self.rope_scaling_factor if self.rope_scaling else 1.0)
-        return int(self.max_sequence_length * factor)
+        """The longest sequence the position embedding is set up for: max_sequence_length, or the scalings' reach
+        (every slow rotary dim kept to the angles seen within the context the scaling starts from; YaRN by s from
+        L reaches s·L; see megagate.model.position)."""
+        return position.context_length(self)
 
 
 RECOMPUTE_GRANULARITIES = ("selective", "full")
@@ -194,6 +198,9 @@ POSITION_FIELDS = (
     "rotary_interpolation_factor",
     "rope_scaling",
     "rope_scaling_factor",
+    "rope_scaling_low_freq_factor",
+    "rope_scaling_high_freq_factor",
+    "rope_scaling_original_max_position_embeddings",
     "yarn_factor",
     "yarn_original_max_position_embeddings",
     "yarn_beta_fast",
@@ -233,14 +240,14 @@ def check_position_embedding(m: ModelConfig) -> None:
         raise ConfigError(f"model.rotary_interpolation_factor={m.rotary_interpolation_factor!r} must be >= 1 (or null)")
     if not m.rope_scaling_factor >= 1:
         raise ConfigError(f"model.rope_scaling_factor={m.rope_scaling_factor!r} must be >= 1")
+    check_llama3_scaling(m)
     if m.position_embedding == "rope":
         changed = [k for k, v in _YARN_DEFAULTS.items() if getattr(m, k) != v]
         if changed:
             raise ConfigError(f"model.{changed[0]} is a YaRN setting: it needs model.position_embedding=yarn")
         return
-    # YaRN: megatron's YarnRotaryEmbedding rotates every head dim, and ignores the other two scalings
-    if m.rotary_percent != 1.0:
-        raise ConfigError(f"model.rotary_percent={m.rotary_percent!r}: position_embedding=yarn rotates all dims (1.0)")
+    # YaRN: megatron's YarnRotaryEmbedding ignores the other two scalings (a partial rotary is built over the
+    # rotated dims: megagate.model.rotary)
     if m.rotary_interpolation_factor is not None or m.rope_scaling:
         raise ConfigError(
             "model.position_embedding=yarn takes no rotary_interpolation_factor / rope_scaling (YaRN scales itself)"
@@ -254,6 +261,26 @@ def check_position_embedding(m: ModelConfig) -> None:
         raise ConfigError(
             f"model.yarn_beta_slow={m.yarn_beta_slow!r} and yarn_beta_fast={m.yarn_beta_fast!r} must satisfy "
             "0 < beta_slow < beta_fast"
+        )
+
+
+def check_llama3_scaling(m: ModelConfig) -> None:
+    """The Llama-3 scaling settings as one-line ConfigErrors (they need rope_scaling=true)."""
+    if not m.rope_scaling:
+        changed = [k for k, v in position.LLAMA3_DEFAULTS.items() if getattr(m, k) != v]
+        if changed:
+            raise ConfigError(f"model.{changed[0]} is a Llama-3 scaling setting: it needs model.rope_scaling=true")
+        return
+    low, high = m.rope_scaling_low_freq_factor, m.rope_scaling_high_freq_factor
+    if not 0 < low < high:
+        raise ConfigError(
+            f"model.rope_scaling_low_freq_factor={low!r} and rope_scaling_high_freq_factor={high!r} must satisfy "
+            "0 < low < high"
+        )
+    original = m.rope_scaling_original_max_position_embeddings
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ConfigError(
+            f"model.rope_scaling_original_max_position_embeddings={original!r} must be a positive integer"
         )
 
 

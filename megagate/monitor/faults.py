@@ -13,6 +13,18 @@ Config section `monitor.faults`: a list of {"step": int, "kind": one of KINDS, "
 `Fault.from_dict`, which refuses unknown keys).
 Each fault fires once: after a rollback the replayed step runs clean, like a transient fault (a rollback that
 skips the offending data must be able to succeed). Fired faults are in `state_dict()` for the checkpoint.
+
+Cluster faults for drills and tests (megagate.monitor.process_faults carries them out) name a rank, or a host:
+
+    {step: 7, kind: hang, rank: 1, phase: forward_backward}   rank 1 blocks when it enters that phase at step 7
+    {step: 7, kind: hang, host: node1, phase: save}          every rank on node1 (a broken node: every launch)
+    {step: 1, kind: slow_rank, rank: 1, factor: 1.5}         rank 1 computes 1.5x as long from step 1 on
+    {step: 6, kind: fail_save, rank: 1}                      rank 1's write of the step-6 checkpoint fails (EIO)
+    {step: 0, kind: fail_load, rank: 1}                      rank 1's first checkpoint read fails (EIO); step:
+                                                             the checkpoint's step, 0 for any
+
+A rank fault fires once per run (recorded in health.jsonl, so a rerun resumes past it, like a transient fault);
+a host fault fires in every launch that runs on that host.
 """
 
 from __future__ import annotations
@@ -27,11 +39,34 @@ import torch
 from megagate.errors import ConfigError
 from megagate.sections import refuse_unknown
 
-KINDS = ("corrupt_batch", "scale_loss", "scale_lr", "nan_grad")
-FIELDS = ("step", "kind", "factor")
+STEP_KINDS = ("corrupt_batch", "scale_loss", "scale_lr", "nan_grad")
+CLUSTER_KINDS = ("hang", "slow_rank", "fail_save", "fail_load")  # megagate.monitor.process_faults
+KINDS = STEP_KINDS + CLUSTER_KINDS
+FIELDS = ("step", "kind", "factor", "rank", "host", "phase")
+# where a hang can be injected: the trainer's phases (megagate.health.config.PHASES) and `write`, inside the
+# checkpoint writer (the background process of an asynchronous save)
+HANG_PHASES = (
+    "data",
+    "forward_backward",
+    "grad_sync",
+    "optimizer",
+    "after_step",
+    "evaluation",
+    "save",
+    "load",
+    "write",
+)
 
 
-def check_fault(step: Any, kind: Any, factor: Any, where: str = "fault") -> None:
+def check_fault(
+    step: Any,
+    kind: Any,
+    factor: Any,
+    where: str = "fault",
+    rank: Any = None,
+    host: Any = None,
+    phase: Any = None,
+) -> None:
     """Raise a one-line ConfigError naming the first invalid value (`where`: the config path of the fault)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ConfigError(f"{where}.step={step!r} must be a non-negative integer")
@@ -39,16 +74,40 @@ def check_fault(step: Any, kind: Any, factor: Any, where: str = "fault") -> None
         raise ConfigError(f"{where}.kind={kind!r} is not one of {', '.join(KINDS)}")
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor):
         raise ConfigError(f"{where}.factor={factor!r} must be a finite number")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ConfigError(f"{where}.rank={rank!r} must be a non-negative integer")
+    if host is not None and (not isinstance(host, str) or not host.strip()):
+        raise ConfigError(f"{where}.host={host!r} must be a host name")
+    if kind in STEP_KINDS:
+        for name, value in (("rank", rank), ("host", host), ("phase", phase)):
+            if value is not None:
+                raise ConfigError(f"{where}.{name} is for the cluster faults ({', '.join(CLUSTER_KINDS)}), not {kind}")
+        return
+    if rank is None and (kind != "hang" or host is None):
+        needs = "a rank or a host" if kind == "hang" else "a rank"
+        raise ConfigError(f"{where} ({kind}) needs {needs}")
+    if kind == "hang" and phase not in HANG_PHASES:
+        raise ConfigError(f"{where}.phase={phase!r} is not one of {', '.join(HANG_PHASES)} (where the rank hangs)")
+    if kind != "hang" and phase is not None:
+        raise ConfigError(f"{where}.phase is for a hang, not {kind}")
+    if kind == "slow_rank" and not factor > 1:
+        raise ConfigError(f"{where}.factor={factor!r} must be > 1 for slow_rank (how many times slower)")
 
 
 @dataclass(frozen=True)
 class Fault:
     step: int
     kind: str
-    factor: float = 10.0  # scale_loss / scale_lr multiplier; corrupt_batch, nan_grad: unused
+    factor: float = 10.0  # scale_loss / scale_lr multiplier, slow_rank's slowdown; others: unused
+    rank: int | None = None  # the cluster faults' global rank
+    host: str | None = None  # ... or host (a hang on every rank of a node)
+    phase: str | None = None  # a hang's phase
 
     def __post_init__(self) -> None:
-        check_fault(self.step, self.kind, self.factor)
+        check_fault(self.step, self.kind, self.factor, "fault", self.rank, self.host, self.phase)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if v is not None}
 
     @classmethod
     def from_dict(cls, item: Any, where: str = "monitor.faults[0]") -> Fault:
@@ -60,8 +119,9 @@ class Fault:
             if key not in item:
                 raise ConfigError(f"{where} needs a {key} (kinds: {', '.join(KINDS)})")
         factor = item.get("factor", 10.0)
-        check_fault(item["step"], item["kind"], factor, where)
-        return cls(item["step"], item["kind"], float(factor))
+        rank, host, phase = item.get("rank"), item.get("host"), item.get("phase")
+        check_fault(item["step"], item["kind"], factor, where, rank, host, phase)
+        return cls(item["step"], item["kind"], float(factor), rank, host, phase)
 
 
 class FaultInjector:

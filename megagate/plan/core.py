@@ -1,19 +1,22 @@
-"""`plan(cfg, world_size, gpu)`: per-GPU memory of every rank role and a step-time estimate, for any layout."""
+"""`plan(cfg, world_size, gpu)`: per-GPU memory of every rank role and the step time, for any layout."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
-from megagate import run_config
-from megagate.model.model_config import ModelConfig
+from megagate.machine import Machine
+from megagate.model.counts import flops_per_token
 from megagate.plan import memory as mem
-from megagate.plan.devices import GB, Device, device
+from megagate.plan.devices import GB, GpuSpec, gpu_spec
+from megagate.plan.gpu_defaults import gpu_profile
 from megagate.plan.params import RankShape, rank_buffers
-from megagate.plan.time import Links, StepTime, step_time
+from megagate.plan.profile import DeviceProfile, Link
+from megagate.plan.time import StepTime, step_time
+from megagate.plan.work import Workload
 from megagate.run_config import TrainConfig
+from megagate.run_setup import RunSetup, resolve
 
-DEFAULT_MFU = 0.40  # a well-tuned megatron bf16 run reaches 35-50 % on H100; the estimate scales as 1 / MFU
 DEFAULT_MARGIN_GB = 3.0  # CUDA context, cuBLAS/TE workspaces, NCCL buffers of every communicator
 DEFAULT_FRAGMENTATION = 0.05  # caching-allocator slack, as a share of the activations
 
@@ -43,20 +46,55 @@ class Plan:
 
     cfg: TrainConfig
     world_size: int
-    device: Device
+    profile: DeviceProfile
     layout: object  # megagate.distributed.layout.Layout
     kernels: mem.Kernels
     roles: list[Role]
     time: StepTime
+    workload: Workload
+    gpus_per_node: int = 8
     assumptions: list[str] = field(default_factory=list)
 
     @property
+    def device_name(self) -> str:
+        return self.profile.name
+
+    @property
+    def memory_bytes(self) -> int:
+        """Memory per rank: the GPU's, or a CPU's shared by the ranks on it."""
+        if self.profile.kind == "cpu":
+            return self.profile.memory_bytes // max(1, min(self.gpus_per_node, self.world_size))
+        return self.profile.memory_bytes
+
+    @property
     def fits(self) -> bool:
-        return all(r.total <= self.device.memory_bytes for r in self.roles)
+        return all(r.total <= self.memory_bytes for r in self.roles)
 
     @property
     def peak(self) -> Role:
         return max(self.roles, key=lambda r: r.total)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch_size * self.cfg.train.seq_length
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens per second of the whole cluster."""
+        return self.tokens_per_step / self.time.total
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_s / self.world_size
+
+    def mfu(self, precision: str | None = None) -> float | None:
+        """Model FLOPs (megagate.model.counts, as the trainer logs them) per GPU over the dense peak of `precision`
+        (default: the run's); None on a device without a datasheet peak (a CPU)."""
+        if self.profile.gpu is None:
+            return None
+        peak = gpu_spec(self.profile.gpu).peak_tflops(precision or self.cfg.train.precision) * 1e12
+        flops = flops_per_token(self.cfg.model, self.cfg.train.seq_length) * self.tokens_per_s_per_gpu
+        return flops / peak
 
     def refusal(self) -> str:
         """One line: why the job is predicted not to fit (empty when it fits)."""
@@ -66,63 +104,26 @@ class Plan:
         largest = max(r.items, key=r.items.get)
         return (
             f"predicted out of memory: pipeline stage {r.pp_rank} needs {r.total / GB:.1f} GB of "
-            f"{self.device.memory_bytes / GB:.0f} GB on {self.device.name} ({self.layout.describe()}, micro-batch "
+            f"{self.memory_bytes / GB:.0f} GB on {self.device_name} ({self.layout.describe()}, micro-batch "
             f"{self.cfg.train.micro_batch_size}); largest item: {largest} {r.items[largest] / GB:.1f} GB"
         )
 
     def table(self) -> str:
-        """The per-role memory table, the step-time terms and every assumption."""
-        t = self.cfg.train
-        m = self.cfg.model
-        lines = [
-            f"layout: {self.layout.describe()}; {self.layout.describe_batch()}; seq {t.seq_length}; {t.precision}; "
-            f"distributed optimizer {t.use_distributed_optimizer}; kernels {self.kernels.name}; "
-            f"recompute {_recompute(m)}; sequence parallel {self.cfg.parallel.sequence_parallel}",
-            f"device: {self.device.name}, {self.device.memory_bytes / GB:.0f} GB",
-        ]
-        names = list(dict.fromkeys(k for r in self.roles for k in r.items))
-        names.sort(key=lambda n: n == "workspace margin")  # the margin last, after every stage's own items
-        width = max(len(n) for n in names + ["parameters (dense / expert)"])
-        header = f"{'GB per GPU':<{width}s}" + "".join(f"{'stage ' + str(r.pp_rank):>16s}" for r in self.roles)
-        lines += [header, "-" * len(header)]
-        lines.append(
-            f"{'parameters (dense / expert)':<{width}s}"
-            + "".join(
-                f"{_count(r.params - r.expert_params) + ' / ' + _count(r.expert_params):>16s}" for r in self.roles
-            )
-        )
-        for n in names:
-            lines.append(f"{n:<{width}s}" + "".join(f"{r.items.get(n, 0) / GB:16.2f}" for r in self.roles))
-        lines.append(f"{'total':<{width}s}" + "".join(f"{r.total / GB:16.2f}" for r in self.roles))
-        verdict = "fits" if self.fits else "DOES NOT FIT: " + self.refusal()
-        lines.append(
-            f"{'free':<{width}s}" + "".join(f"{(self.device.memory_bytes - r.total) / GB:16.2f}" for r in self.roles)
-        )
-        lines.append(f"{'chunk forwards in flight':<{width}s}" + "".join(f"{r.in_flight:16d}" for r in self.roles))
-        lines.append(f"-> {verdict}")
-        tokens = t.global_batch_size * t.seq_length
-        lines.append(
-            f"step time ~{self.time.total:.2f} s = "
-            + " + ".join(f"{k} {v:.3f}" for k, v in self.time.terms.items() if v > 0)
-            + f"; {tokens / self.time.total:,.0f} tokens/s"
-        )
-        lines += ["assumptions:"] + [f"  - {a}" for a in self.assumptions + self.time.notes]
-        return "\n".join(lines)
+        from megagate.plan.report import table
+
+        return table(self)
+
+    def to_dict(self) -> dict:
+        from megagate.plan.report import to_dict
+
+        return to_dict(self)
 
 
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
-
-
-def _recompute(m: ModelConfig) -> str:
-    if m.recompute_granularity == "full":
-        return f"full/{m.recompute_method}/{m.recompute_num_layers}"
-    return m.recompute_granularity or "none"
-
-
-def kernels_for(backend: str, core_attention: str = "auto") -> mem.Kernels:
-    """The GPU kernel set of a train.backend ('auto' plans for Transformer Engine, the cluster default) and a
-    perf.core_attention: megatron's local attention keeps the [b, np, s, s] scores, TE's and SDPA's do not."""
+def kernels_for(backend: str, core_attention: str = "auto", cpu: bool = False) -> mem.Kernels:
+    """The kernel set of a resolved backend ("te" | "local") and core attention ("te" | "sdpa" | "local"):
+    megatron's local attention keeps the [b, np, s, s] scores, TE's and SDPA's do not."""
+    if cpu:
+        return mem.CPU_LOCAL if core_attention == "local" else mem.CPU_SDPA
     if core_attention == "local":
         return mem.GPU_LOCAL
     if backend == "local":
@@ -130,24 +131,106 @@ def kernels_for(backend: str, core_attention: str = "auto") -> mem.Kernels:
     return mem.GPU_TE
 
 
+def device_profile(
+    gpu: str | GpuSpec | DeviceProfile, intra_gbs: float | None = None, inter_gbs: float | None = None
+) -> DeviceProfile:
+    """The profile to plan with: a calibrated one as given, else the GPU's datasheet profile; link rates given on
+    the command line replace the nominal ones (a datasheet profile applies its achieved shares to them)."""
+    if isinstance(gpu, DeviceProfile):
+        p = gpu
+        if intra_gbs is not None:
+            p = dataclasses.replace(p, intra=Link(p.intra.latency, intra_gbs * 1e9))
+        if inter_gbs is not None:
+            p = dataclasses.replace(p, inter=Link(p.inter.latency, inter_gbs * 1e9))
+        return p
+    spec = gpu if isinstance(gpu, GpuSpec) else gpu_spec(gpu)
+    if intra_gbs is not None or inter_gbs is not None:
+        spec = dataclasses.replace(
+            spec,
+            intra_node_gbs=spec.intra_node_gbs if intra_gbs is None else intra_gbs,
+            inter_node_gbs=spec.inter_node_gbs if inter_gbs is None else inter_gbs,
+        )
+    return gpu_profile(spec)
+
+
+def workload(setup: RunSetup, profile: DeviceProfile, gpus_per_node: int, imbalance: float) -> Workload:
+    """The step's work as the trainer runs the set-up (`run_setup.resolve` for the profile's device)."""
+    cfg, layout, r = setup.cfg, setup.layout, setup.perf
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    cpu = profile.kind == "cpu"
+    attention = "local" if setup.core_attention == "local" else ("sdpa" if cpu else "flash")
+    return Workload(
+        model=m,
+        seq=t.seq_length,
+        micro_batch=t.micro_batch_size,
+        global_batch=t.global_batch_size,
+        tp=layout.tp,
+        pp=layout.pp,
+        vpp=layout.vpp,
+        ep=layout.ep,
+        cp=layout.cp,
+        dp=layout.dp,
+        precision=t.precision,
+        attention=attention,
+        fused_norms=not cpu,
+        sequence_parallel=p.sequence_parallel,
+        recompute=m.recompute_granularity,
+        recompute_modules=tuple(r.recompute_modules or ("core_attn",)),
+        grouped_gemm=r.moe_grouped_gemm,
+        dispatcher=r.moe_token_dispatcher_type,
+        distributed_optimizer=t.use_distributed_optimizer,
+        overlap_grad_reduce=r.overlap_grad_reduce,
+        overlap_param_gather=r.overlap_param_gather,
+        bucket_size=r.bucket_size,
+        routing_imbalance=imbalance,
+        gpus_per_node=gpus_per_node,
+    )
+
+
 def plan(
     cfg: TrainConfig,
     world_size: int,
-    gpu: str | Device = "h100-sxm",
+    gpu: str | GpuSpec | DeviceProfile = "h100-sxm",
     *,
     gpus_per_node: int = 8,
-    mfu: float = DEFAULT_MFU,
     margin_gb: float = DEFAULT_MARGIN_GB,
     fragmentation: float = DEFAULT_FRAGMENTATION,
     kernels: mem.Kernels | None = None,
     intra_gbs: float | None = None,
     inter_gbs: float | None = None,
+    routing_imbalance: float = 1.0,
 ) -> Plan:
-    """Memory per rank role and the step time of `cfg` on `world_size` GPUs of type `gpu` (see docs/planning.md)."""
-    dev = gpu if isinstance(gpu, Device) else device(gpu)
-    layout = run_config.layout(cfg, world_size)  # the trainer's own layout rules (one-line ConfigError)
+    """Memory per rank role and the step time of `cfg` on `world_size` devices (see docs/planning.md). `gpu`: a
+    GPU table name, a GpuSpec, or a calibrated DeviceProfile (`megagate calibrate`; a CPU's plans the CPU run)."""
+    profile = device_profile(gpu, intra_gbs, inter_gbs)
+    cpu = profile.kind == "cpu"
+    # the trainer's own layout rules and perf decisions for that device (one-line ConfigErrors)
+    setup = resolve(cfg, world_size, Machine(gpu=False, te=False) if cpu else Machine.target(cfg))
+    layout = setup.layout
+    k = kernels or kernels_for(setup.backend, setup.core_attention, cpu=cpu)
+    roles = _roles(cfg, layout, k, margin_gb, fragmentation)
+    w = workload(setup, profile, gpus_per_node, routing_imbalance)
+    st = step_time(w, profile, ranks_per_node=min(gpus_per_node, world_size))
+    assumptions = [
+        "weights, gradient buffers and optimizer shards: megatron's exact buffer layout (64-element alignment, "
+        "buckets padded to lcm(DP, 128)); the optimizer shard is the largest over the data-parallel ranks",
+        "gradients reduced in fp32 (the trainer's grad_reduce_in_fp32); dense parameters sharded over DP x CP, "
+        "expert parameters over the expert-data-parallel group",
+        f"activations: the tensors autograd keeps with {k.name} kernels "
+        + (
+            "(flash attention: no [b, np, s, s] scores)"
+            if k.flash_attention
+            else "(unfused attention keeps [b, np, s, s] scores)"
+        )
+        + ", balanced MoE routing; the backward working set is one more layer's worth",
+        f"workspace margin: {margin_gb:g} GB fixed + {fragmentation:.0%} of the activations",
+    ]
+    return Plan(cfg, world_size, profile, layout, k, roles, st, w, gpus_per_node, assumptions)
+
+
+def _roles(cfg: TrainConfig, layout, k: mem.Kernels, margin_gb: float, fragmentation: float) -> list[Role]:
+    """Every pipeline stage's memory by item (exact buffers, the activation inventory, the margin)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    k = kernels or kernels_for(t.backend, cfg.perf.core_attention)
     shape = RankShape(layout.tp, layout.pp, layout.vpp, layout.ep, layout.cp, layout.dp, layout.expert_dp)
     param_bytes = 4 if t.precision == "fp32" else 2
     opt_bytes = 8 if t.precision == "fp32" else 12  # Adam m, v (+ fp32 main params under bf16/fp8)
@@ -162,7 +245,6 @@ def plan(
     )
     chunk_act = checkpoints * mem.checkpoint_bytes(m, act) + stored * kept_layer
     roles = []
-    dense_bufs = expert_bufs = (0, 0)
     for r in range(layout.pp):
         # megatron's local spec without apex builds torch norms with fp32 weights (their own buffer)
         bufs = rank_buffers(m, shape, r, t.use_distributed_optimizer, fp32_norms=t.backend == "local")
@@ -172,15 +254,6 @@ def plan(
         weights = sum((b.numel if dist else b.numel_unpadded) * (4 if b.fp32 else param_bytes) for b in bufs)
         grads = sum((b.numel if dist else b.numel_unpadded) * 4 for b in bufs)
         optim = sum((b.max_owned() if dist else b.numel_unpadded) * (8 if b.fp32 else opt_bytes) for b in bufs)
-        if r == 0:
-            dense_bufs = (
-                sum(b.numel * (4 if b.fp32 else param_bytes) for b in bufs if not b.expert),
-                sum(b.numel for b in bufs if not b.expert) * 4,
-            )
-            expert_bufs = (
-                sum(b.numel for b in bufs if b.expert) * param_bytes,
-                sum(b.numel for b in bufs if b.expert) * 4,
-            )
         flights = mem.in_flight(layout.pp, r, layout.vpp, layout.num_microbatches)
         items = {
             f"weights ({'fp32' if param_bytes == 4 else 'bf16'})": weights,
@@ -203,45 +276,7 @@ def plan(
         activations = sum(v for key, v in items.items() if key.startswith("activations"))
         items["workspace margin"] = int(margin_gb * GB + fragmentation * activations)
         roles.append(Role(r, n_params, n_expert, items, flights))
-    links = Links(
-        gpus_per_node, intra_gbs if intra_gbs is not None else dev.intra_node_gbs, inter_gbs or dev.inter_node_gbs
-    )
-    st = step_time(
-        m,
-        seq=t.seq_length,
-        global_batch=t.global_batch_size,
-        micro_batch=t.micro_batch_size,
-        world=world_size,
-        tp=layout.tp,
-        pp=layout.pp,
-        vpp=layout.vpp,
-        ep=layout.ep,
-        cp=layout.cp,
-        dp=layout.dp,
-        microbatches=layout.num_microbatches,
-        device=dev,
-        links=links,
-        precision=t.precision,
-        mfu=mfu,
-        dense_buffer_bytes=dense_bufs,
-        expert_buffer_bytes=expert_bufs,
-        expert_dp=layout.expert_dp,
-    )
-    assumptions = [
-        "weights, gradient buffers and optimizer shards: megatron's exact buffer layout (64-element alignment, "
-        "buckets padded to lcm(DP, 128)); the optimizer shard is the largest over the data-parallel ranks",
-        "gradients reduced in fp32 (the trainer's grad_reduce_in_fp32); dense parameters sharded over DP x CP, "
-        "expert parameters over the expert-data-parallel group",
-        f"activations: the tensors autograd keeps with {k.name} kernels "
-        + (
-            "(flash attention: no [b, np, s, s] scores)"
-            if k.flash_attention
-            else "(unfused attention keeps [b, np, s, s] scores)"
-        )
-        + ", balanced MoE routing; the backward working set is one more layer's worth",
-        f"workspace margin: {margin_gb:g} GB fixed + {fragmentation:.0%} of the activations",
-    ]
-    return Plan(cfg, world_size, dev, layout, k, roles, st, assumptions)
+    return roles
 
 
 def with_overrides(cfg: TrainConfig, **parallel_and_train: object) -> TrainConfig:

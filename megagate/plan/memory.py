@@ -7,6 +7,8 @@ megatron-core 0.19's modules and checked on CPU against a real forward of the lo
 * `CPU_LOCAL`: megatron's local modules as they run without CUDA (what the test measures): torch's composite RMSNorm
   keeps two fp32 copies of its input, attention is megatron's unfused DotProductAttention (scores [b, np, sq, sk]
   kept as fp32 softmax output and bf16 probabilities, GQA keys/values expanded to all heads), SwiGLU unfused;
+* `CPU_SDPA`: the same with megagate's SDPA core attention (the CPU default): torch's flash kernel keeps q, k, v,
+  its output and the log-sum-exp, as GPU_SDPA (not measured byte for byte);
 * `GPU_TE`: Transformer Engine / flash attention on a GPU: fused norms keep their input and fp32 1/rms, flash
   attention keeps q, k, v (KV heads only), its output and the fp32 log-sum-exp, megatron's fused SwiGLU keeps its input;
 * `GPU_SDPA`: megatron's local modules on a GPU (no TE) with megagate's SDPA core attention (the default there): fused
@@ -38,6 +40,8 @@ class Kernels:
 
 
 CPU_LOCAL = Kernels("cpu-local", composite_norm=True, flash_attention=False, fused_swiglu=False)
+# the trainer's CPU default (perf.core_attention auto = SDPA): CPU_LOCAL's norms and SwiGLU, flash-like attention
+CPU_SDPA = Kernels("cpu-sdpa", composite_norm=True, flash_attention=True, fused_swiglu=False)
 GPU_LOCAL = Kernels("gpu-local", composite_norm=False, flash_attention=False, fused_swiglu=True)
 GPU_TE = Kernels("gpu-te", composite_norm=False, flash_attention=True, fused_swiglu=True)
 GPU_SDPA = Kernels("gpu-sdpa", composite_norm=False, flash_attention=True, fused_swiglu=True)
@@ -52,6 +56,7 @@ class ActivationShape:
     tp: int = 1
     sequence_parallel: bool = False
     act_bytes: int = 2
+    expert_tp: int | None = None  # expert tensor parallelism (None: TP, as megagate builds it)
 
 
 def _norm(tokens: int, width: int, a: int, k: Kernels) -> int:
@@ -104,8 +109,10 @@ def layer_items(model: ModelConfig, shape: ActivationShape, k: Kernels, recomput
         items["sandwich norms"] = 2 * _norm(tok, h, a, k)
     items["pre-MLP norm + MLP input"] = _norm(tok, h, a, k) + a * tok * h
     if model.is_moe:
-        e, topk, f = model.num_experts, model.moe_router_topk, model.moe_ffn_hidden_size // t
-        routed = tok_full * topk  # tokens an EP rank computes, with balanced routing (EP-independent)
+        etp = shape.expert_tp or t
+        e, topk, f = model.num_experts, model.moe_router_topk, model.moe_ffn_hidden_size // etp
+        # tokens an EP rank computes, with balanced routing (EP-independent): its expert-TP group's share
+        routed = tok_full * topk if shape.expert_tp is None else tok * etp * topk
         items["router + dispatcher"] = tok * (a * e + 4 * e + 20 * topk + a) + 8 * tok * topk + (1 + a) * e * tok
         per_token = (3 if k.fused_swiglu else 6) * a * f + a  # fc1 out, SwiGLU (+ probs), fc2 input, probs
         items["experts (permuted tokens + FFN)"] = a * routed * h + routed * per_token

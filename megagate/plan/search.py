@@ -1,11 +1,13 @@
-"""The layout search: every layout (TP, PP, VPP, EP, micro-batch, recompute) that fits, ranked by step time."""
+"""The layout search: every layout (TP, PP, VPP, EP, micro-batch, recompute) that fits, ranked by step time, each
+with what limits it (memory, the pipeline bubble, exposed communication, small expert GEMMs, host overhead)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from megagate.errors import ConfigError
-from megagate.plan.core import Plan, plan, with_overrides
+from megagate.plan.core import Plan, device_profile, plan, with_overrides
+from megagate.plan.profile import DeviceProfile
 from megagate.run_config import TrainConfig
 
 RECOMPUTE = (
@@ -13,6 +15,7 @@ RECOMPUTE = (
     {"recompute_granularity": "selective", "recompute_method": None, "recompute_num_layers": None},
     {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
 )
+MEMORY_TIGHT = 0.10  # a layout with less than this share of the device free is limited by memory
 
 
 @dataclass(frozen=True)
@@ -20,16 +23,34 @@ class Candidate:
     plan: Plan
     label: str
 
+    def limited_by(self) -> str:
+        """What limits this layout: memory when it is within 10 % of the device's memory or needs recompute to
+        fit, else the step-time factor that costs the most (megagate.plan.time.StepTime.limiting)."""
+        p = self.plan
+        free = 1 - p.peak.total / p.memory_bytes
+        reason = p.time.limiting()
+        if free < MEMORY_TIGHT:
+            return f"memory ({free:.0%} free)" + ("" if reason == "compute" else f", {reason}")
+        if reason == "compute":
+            return "compute"
+        return f"{reason} ({p.time.limits[reason]:.0%} of the step)"
+
 
 def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in (1, 2, 4, 8, 16, 32, 64, 128) if d <= limit and n % d == 0]
 
 
 def search(
-    cfg: TrainConfig, world_size: int, gpu: str, *, gpus_per_node: int = 8, **plan_kwargs: object
+    cfg: TrainConfig,
+    world_size: int,
+    gpu: str | DeviceProfile,
+    *,
+    gpus_per_node: int = 8,
+    **plan_kwargs: object,
 ) -> list[Candidate]:
     """The fitting layouts of cfg's model on world_size GPUs, fastest first (TP within a node, SP whenever TP > 1)."""
     m = cfg.model
+    profile = device_profile(gpu, plan_kwargs.pop("intra_gbs", None), plan_kwargs.pop("inter_gbs", None))
     out = []
     for tp in _divisors(m.num_query_groups, gpus_per_node):
         for pp in _divisors(m.num_layers, m.num_layers):
@@ -48,7 +69,7 @@ def search(
                                     micro_batch_size=mbs,
                                     **rc,
                                 )
-                                p = plan(c, world_size, gpu, gpus_per_node=gpus_per_node, **plan_kwargs)
+                                p = plan(c, world_size, profile, gpus_per_node=gpus_per_node, **plan_kwargs)
                             except ConfigError:
                                 continue  # not a layout megatron accepts for this world / batch
                             if p.fits:
@@ -63,14 +84,15 @@ def search(
 
 
 def format_search(cands: list[Candidate], top: int = 15) -> str:
-    """One line per fitting layout: step time, tokens/s and the peak memory."""
+    """One line per fitting layout: step time, tokens/s per GPU, peak memory and what limits it."""
     if not cands:
         return "no layout fits"
-    lines = [f"{'rank':>4s}  {'layout':48s} {'step s':>7s} {'tokens/s':>11s} {'peak GB':>8s}"]
+    unit = "GPU" if cands[0].plan.profile.kind == "gpu" else "rank"
+    lines = [f"{'rank':>4s}  {'layout':44s} {'step s':>8s} {'tok/s/' + unit:>11s} {'peak GB':>8s}  limited by"]
     for i, c in enumerate(cands[:top], 1):
-        t = c.plan.cfg.train
         lines.append(
-            f"{i:>4d}  {c.label:48s} {c.plan.time.total:7.2f} {t.global_batch_size * t.seq_length / c.plan.time.total:11,.0f} "
-            f"{c.plan.peak.total / 1e9:8.1f}"
+            f"{i:>4d}  {c.label:44s} {c.plan.time.total:8.3f} {c.plan.tokens_per_s_per_gpu:11,.0f} "
+            f"{c.plan.peak.total / 1e9:8.1f}  {c.limited_by()}"
         )
+    lines.append(f"({len(cands)} layouts fit; tokens/s are per {unit}; the cluster's are x {cands[0].plan.world_size})")
     return "\n".join(lines)

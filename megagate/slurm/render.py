@@ -6,6 +6,12 @@ shell sends TERM, which torchrun passes on), the trainer checkpoints and exits 0
 A failed step (a rank exits non-zero or is killed; `--kill-on-bad-exit=1` takes the whole step down) is requeued
 too, and the trainer resumes from its latest checkpoint. Requeues stop at `max_restarts`, or earlier when the step
 failed `max_same_failures` times in a row the same way (state file under the run directory).
+
+The trainer says why an attempt failed in a file the script names (MEGAGATE_FAILURE_FILE: a hang's diagnosis, or
+the error of the one rank that failed; megagate.health): the requeue log and the attempts file record that reason.
+A host blamed for `exclude_after_hangs` hangs of the job is excluded when the job is requeued (`scontrol update
+ExcNodeList`, right after `scontrol requeue`: Slurm changes it only for a pending job); an attempt that lands on an
+excluded host anyway requeues itself at once.
 """
 
 from __future__ import annotations
@@ -190,9 +196,36 @@ _REQUEUE = r"""
 RESTARTS=${SLURM_RESTART_COUNT:-0}
 STATE_DIR="$MEGAGATE_RUN_DIR/@STATE_SUBDIR@"
 mkdir -p "$STATE_DIR"
-FAILURES="$STATE_DIR/job-${SLURM_JOB_ID}.attempts"   # one line per ended attempt: restart, exit code, key, reason
+FAILURES="$STATE_DIR/job-${SLURM_JOB_ID}.attempts"   # one line per ended attempt: restart, exit code, key, reason, hosts
 STEP_ERR="$STATE_DIR/job-${SLURM_JOB_ID}.step.err"    # srun's own messages of the latest attempt
+EXCLUDED="$STATE_DIR/job-${SLURM_JOB_ID}.excluded"    # hosts this job no longer runs on, one a line
+# the trainer writes why this attempt failed here (kind=, hosts=, reason= lines; megagate.health)
+export MEGAGATE_FAILURE_FILE="$STATE_DIR/job-${SLURM_JOB_ID}.failure"
+rm -f "$MEGAGATE_FAILURE_FILE"
 echo "megagate-slurm: job ${SLURM_JOB_ID} attempt $((RESTARTS + 1)) (restart ${RESTARTS} of ${MEGAGATE_MAX_RESTARTS}) on ${SLURM_JOB_NODELIST} at $(date -Is)"
+
+requeue() {
+    # Slurm ends this script while requeueing; ExcNodeList can only change once the job is pending again, so it is
+    # set right after the requeue (the next attempt checks that it took)
+    scontrol requeue "$SLURM_JOB_ID" || { echo "megagate-slurm: scontrol requeue ${SLURM_JOB_ID} failed" >&2; exit 1; }
+    if [[ -s "$EXCLUDED" ]]; then
+        scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$(sort -u "$EXCLUDED" | paste -sd, -)" || true
+    fi
+    sleep 60   # let Slurm end this attempt; exiting first would look like a finished job
+    exit 1
+}
+
+if [[ -s "$EXCLUDED" ]]; then
+    on_excluded=$(comm -12 <(sort -u "$EXCLUDED") <(scontrol show hostnames "$SLURM_JOB_NODELIST" | sort -u) | paste -sd, -)
+    if [[ -n "$on_excluded" ]]; then
+        if (( RESTARTS >= MEGAGATE_MAX_RESTARTS )); then
+            echo "megagate-slurm: giving up: this attempt runs on excluded host(s) $on_excluded and the job already restarted ${RESTARTS} times" >&2
+            exit 1
+        fi
+        echo "megagate-slurm: this attempt landed on excluded host(s) $on_excluded; requeueing job ${SLURM_JOB_ID} without them"
+        requeue
+    fi
+fi
 
 signalled=0
 step_pid=""
@@ -222,6 +255,20 @@ failure_reason() {
     echo "${reason:-step exit code $1}"
 }
 
+exclude_hung_hosts() {
+    # Each host of $1 (comma-separated) blamed for MEGAGATE_EXCLUDE_AFTER_HANGS hangs of this job (the attempts
+    # file's fifth column) goes into the exclusion list that the requeue applies.
+    (( MEGAGATE_EXCLUDE_AFTER_HANGS > 0 )) || return 0
+    local host hangs
+    for host in ${1//,/ }; do
+        hangs=$(awk -F'\t' -v h="$host" '$3 ~ /^hang on / && ("," $5 ",") ~ ("," h ",")' "$FAILURES" | wc -l)
+        if (( hangs >= MEGAGATE_EXCLUDE_AFTER_HANGS )) && ! grep -qx "$host" "$EXCLUDED" 2>/dev/null; then
+            echo "$host" >> "$EXCLUDED"
+            echo "megagate-slurm: excluding $host from this job: $hangs hangs there (exclude_after_hangs=${MEGAGATE_EXCLUDE_AFTER_HANGS})"
+        fi
+    done
+}
+
 failure_key() {
     # What makes two failures "the same way". With the trainer's progress file: failing again from the same
     # checkpoint (whatever srun's racy reason says); without one: the same reason.
@@ -249,7 +296,7 @@ fi
 
 if (( rc == 0 && ! signalled )); then
     echo "megagate-slurm: training step finished (exit 0) at $(date -Is)"
-    rm -f "$FAILURES" "$STEP_ERR"
+    rm -f "$FAILURES" "$STEP_ERR" "$MEGAGATE_FAILURE_FILE" "$EXCLUDED"
     exit 0
 fi
 
@@ -265,8 +312,17 @@ elif (( signalled && (rc == 0 || SIGNAL_EXIT_OK) )); then
 else
     why=$(failure_reason "$rc")
     key=$(failure_key "$why")
+    hosts=""
+    if [[ -s "$MEGAGATE_FAILURE_FILE" ]]; then
+        # the trainer's own reason: a hang's diagnosis, or the error of the rank that failed
+        kind=$(sed -n 's/^kind=//p' "$MEGAGATE_FAILURE_FILE" | head -n 1)
+        hosts=$(sed -n 's/^hosts=//p' "$MEGAGATE_FAILURE_FILE" | head -n 1)
+        why=$(sed -n 's/^reason=//p' "$MEGAGATE_FAILURE_FILE" | head -n 1 | cut -c1-2000)
+        [[ "$kind" == "hang" ]] && key="hang on $hosts"
+    fi
     reason="step failed (exit code $rc: $why)"
-    printf '%s\t%s\t%s\t%s\n' "$RESTARTS" "$rc" "$key" "$why" >> "$FAILURES"
+    printf '%s\t%s\t%s\t%s\t%s\n' "$RESTARTS" "$rc" "$key" "$why" "$hosts" >> "$FAILURES"
+    [[ "$key" == hang\ on\ * ]] && exclude_hung_hosts "$hosts"
     # Consecutive: the last N attempts all failed with this key (a signalled attempt in between breaks the run).
     same=$(tail -n "$MEGAGATE_MAX_SAME_FAILURES" "$FAILURES" \
         | awk -F'\t' -v k="$key" '$2 != 0 && $3 == k' | wc -l)
@@ -282,11 +338,11 @@ if (( RESTARTS >= MEGAGATE_MAX_RESTARTS )); then
     echo "megagate-slurm: giving up: $reason, and the job already restarted ${RESTARTS} times (max_restarts=${MEGAGATE_MAX_RESTARTS}); not requeueing" >&2
     exit 1
 fi
-echo "megagate-slurm: $reason; requeueing job ${SLURM_JOB_ID} (restart $((RESTARTS + 1)) of ${MEGAGATE_MAX_RESTARTS}) at $(date -Is)"
-# Slurm ends this script while requeueing; the next attempt starts from the top with SLURM_RESTART_COUNT + 1.
-scontrol requeue "$SLURM_JOB_ID" || { echo "megagate-slurm: scontrol requeue ${SLURM_JOB_ID} failed" >&2; exit 1; }
-sleep 60   # let Slurm end this attempt; exiting first would look like a finished job
-exit 1
+excluding=""
+[[ -s "$EXCLUDED" ]] && excluding=" excluding $(sort -u "$EXCLUDED" | paste -sd, -)"
+echo "megagate-slurm: $reason; requeueing job ${SLURM_JOB_ID} (restart $((RESTARTS + 1)) of ${MEGAGATE_MAX_RESTARTS})${excluding} at $(date -Is)"
+# the next attempt starts from the top with SLURM_RESTART_COUNT + 1
+requeue
 """
 
 
@@ -337,6 +393,7 @@ def render_batch_script(
         f"export MEGAGATE_RUN_DIR={_q(request.resolved_run_dir)}",
         f"MEGAGATE_MAX_RESTARTS={request.max_restarts}",
         f"MEGAGATE_MAX_SAME_FAILURES={request.max_same_failures}",
+        f"MEGAGATE_EXCLUDE_AFTER_HANGS={request.exclude_after_hangs}",
         "",
     ]
     lines += _env_lines(request)

@@ -57,6 +57,7 @@ class SlurmRequest:
     signal_lead_s: int = 300  # --signal=B:USR1@N: warning this long before the time limit
     max_restarts: int = 50  # requeues of any kind (wall time, preemption, failures)
     max_same_failures: int = 3  # stop when the step fails this many times in a row the same way
+    exclude_after_hangs: int = 2  # exclude a host on requeue after this many hangs blamed on it (0: never)
     run_dir: str | None = None  # where the restart state lives; default runs/<job_name>
     progress_file: str | None = None  # e.g. <save>/latest_checkpointed_iteration.txt: failures differ by progress
     log_dir: str = "logs"
@@ -92,6 +93,7 @@ class SlurmRequest:
             )
         positive("max_restarts", self.max_restarts, 0)
         positive("max_same_failures", self.max_same_failures)
+        positive("exclude_after_hangs", self.exclude_after_hangs, 0)
         if not _NAME.match(self.job_name):
             raise ConfigError(f"job_name={self.job_name!r} is invalid: use letters, digits and _ . + -")
         if self.array is not None and not _ARRAY.match(self.array):

@@ -282,8 +282,9 @@ def build_components(setup: RunSetup) -> Components:
             use_cudagraphable_rng=perf.cuda_graph_impl == "local",
             force_reset_rng=True,
         )
-    if perf.cpu_line():
-        log(perf.cpu_line())  # once per run (global rank 0)
+    for line in (perf.cpu_line(), perf.gpu_line()):
+        if line:
+            log(line)  # once per run (global rank 0)
     chunks = build_model(setup)
     ddp = wrap_ddp(setup, chunks)
     optimizer, scheduler = build_optimizer(setup, ddp)

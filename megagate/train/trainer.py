@@ -28,6 +28,7 @@ import torch
 from megagate import checkpoint as ckpt
 from megagate.console import log
 from megagate.errors import MegagateError
+from megagate.health import progress
 from megagate.run_setup import RunSetup
 from megagate.train import components as parts
 from megagate.train import resume as resume_checks
@@ -49,7 +50,11 @@ class Trainer:
         if len(keys) != len(set(keys)):
             raise MegagateError(f"two callbacks share a checkpoint state key: {sorted(keys)}")
         self.checkpointer = ckpt.Checkpointer(
-            cfg.checkpoint_dir, cfg.checkpoint.keep_last, cfg.checkpoint.optimizer_format
+            cfg.checkpoint_dir,
+            cfg.checkpoint.keep_last,
+            cfg.checkpoint.optimizer_format,
+            check_interval=cfg.checkpoint.async_check_interval,
+            on_saved=lambda path, step: self._call("post_checkpoint_saved", path, step),
         )
         self.logging_rank = parts.is_logging_rank()
         self.step = self.start_step = 0  # completed steps (start_step: when this launch began)
@@ -64,11 +69,14 @@ class Trainer:
         self._restored = False
         tokenizer = None if components.data is None else components.data.tokenizer
         self._data_order = resume_checks.data_order(cfg, tokenizer)
+        self._mark_phases()
 
     # --- the loop --------------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Resume if a checkpoint exists, train to train.train_steps or until a callback stops; the run summary."""
-        self._resume()
+        with progress.within("load"):
+            self._resume()
+        progress.PROGRESS.resumed_at(self.step)
         if self.step >= self.cfg.train.train_steps:
             # a finished run rerun (e.g. a requeued job that had completed): nothing to do, and nothing written —
             # its summary, metrics and checkpoints stay as the finished run left them
@@ -77,6 +85,7 @@ class Trainer:
         try:
             self._call("on_start")
             while self.step < self.cfg.train.train_steps and self.stop_reason is None:
+                progress.PROGRESS.step_started(self.step + 1)
                 self._call("on_step_start", self.step + 1)
                 if self.stop_reason is not None:
                     break
@@ -88,6 +97,7 @@ class Trainer:
                 if output is not None:  # None: a callback restored a checkpoint instead
                     self._call("post_step", output)
             self._call("on_end")
+            progress.enter("end")
         finally:
             self._call("on_close")
         if self.error is not None:
@@ -100,7 +110,9 @@ class Trainer:
         for chunk in self.ddp:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        progress.enter("forward_backward")
         loss = self.forward_backward(microbatches, forward_only=False)
+        progress.enter("optimizer")
         self._call("post_backward", step)
         # Callbacks decide before anything is applied: gradients are reduced and their global norm is known.
         self.scheduler.step(increment=0)  # this update's LR from the schedule (a previous step may have scaled it)
@@ -124,7 +136,20 @@ class Trainer:
         self.step, self.consumed_samples = step, self.consumed_samples + self.cfg.train.global_batch_size
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.summary.update(steps=step, final_loss=loss)
+        progress.PROGRESS.step_finished()
         return StepOutput(step, loss, grad_norm, lr, time.perf_counter() - start, applied)
+
+    def _mark_phases(self) -> None:
+        """Phase markers for the watchdog and the straggler report (megagate.health.progress): megatron's gradient
+        reduction at the end of the schedule is the grad_sync phase; the pipeline stage groups the ranks."""
+        from megatron.core import parallel_state
+
+        progress.PROGRESS.reset()
+        if parallel_state.model_parallel_is_initialized():
+            progress.PROGRESS.stage = parallel_state.get_pipeline_model_parallel_rank()
+        config = self.model[0].config
+        if config.finalize_model_grads_func is not None:
+            config.finalize_model_grads_func = progress.marking("grad_sync", config.finalize_model_grads_func)
 
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
@@ -163,10 +188,16 @@ class Trainer:
         return next((cb for cb in self.callbacks if isinstance(cb, kind)), None)
 
     def latest_checkpoint(self) -> Path | None:
+        self.checkpointer.wait()  # a save being written in the background becomes the latest first
         return ckpt.latest(self.checkpointer.root)
 
-    def save_checkpoint(self) -> Path:
-        """Checkpoint the current state (a collective call: every rank must make it)."""
+    def save_checkpoint(self, background: bool = False) -> Path:
+        """Checkpoint the current state (a collective call: every rank must make it); `background`: the shards are
+        written while training goes on (post_checkpoint_saved comes when the checkpoint is complete)."""
+        with progress.within("save"):
+            return self._save_checkpoint(background)
+
+    def _save_checkpoint(self, background: bool) -> Path:
         parts.sync_params(self.ddp)  # overlapped parameter all-gather: the last update is not gathered yet
         data = self.components.data
         meta = {
@@ -183,10 +214,7 @@ class Trainer:
             "data_position": resume_checks.order_digest(self.components.train_data, self.consumed_samples),
             **{f"x_{cb.state_key}": cb.state_dict() for cb in self.callbacks if cb.state_key},
         }
-        path = self.checkpointer.save(self.step, self.model, self.optimizer, meta)
-        log(f"saved checkpoint {path}")
-        self._call("post_checkpoint_saved", path, self.step)
-        return path
+        return self.checkpointer.save(self.step, self.model, self.optimizer, meta, background=background)
 
     def restore(self, path: Path) -> dict[str, Any]:
         """Load checkpoint `path` (same layout) into the running trainer and return its metadata.
@@ -200,7 +228,8 @@ class Trainer:
         return meta
 
     def _load(self, path: Path, same_layout: bool) -> dict[str, Any]:
-        meta = self.checkpointer.load(path, self.model, self.optimizer, same_layout=same_layout)
+        with progress.within("load"):
+            meta = self.checkpointer.load(path, self.model, self.optimizer, same_layout=same_layout)
         # megatron's load_state_dict *adds* the saved step count to the scheduler's own (right only for a fresh
         # one): a restore in a running trainer would otherwise jump the schedule forward, to min_lr
         self.scheduler.num_steps = 0

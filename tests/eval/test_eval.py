@@ -127,13 +127,14 @@ def test_parallel_layouts_match_one_process(run_dir, yarn_single, tmp_path, layo
         (["--seq-lengths", "256"], "length 256 exceeds the 128 tokens"),  # beyond max_sequence_length, no RoPE change
         (["--seq-lengths", "1024", *YARN], "length 1024 exceeds the 256 tokens"),  # beyond YaRN's reach
         (["--seq-lengths", "64", "--rope", "yarn_factor=4"], "yarn_factor is a YaRN setting"),  # a RoPE checkpoint
-        (["--seq-lengths", "64", "--rope", "position_embedding=yarn", "rotary_percent=0.5"], "rotary_percent=0.5"),
+        # Llama-3 scaling x4 from its default 8192 slows none of the dims that turn less than once in 128 tokens
+        (["--seq-lengths", "512", "--rope", "rope_scaling=true", "rope_scaling_factor=4"], "exceeds the 128 tokens"),
         (["--seq-lengths", "64", "--tp", "3"], "--tp 3 x --pp 1 does not divide the 1 processes"),
         # the run's validation split holds fewer tokens than one window (found while building its index, before
         # any model is loaded)
         (["--seq-lengths", "100000", "--rope", "max_sequence_length=100000"], "no sample of 100000 tokens"),
     ],
-    ids=["too-long", "beyond-yarn", "yarn-key-on-rope", "yarn-partial-rotary", "layout", "too-few-tokens"],
+    ids=["too-long", "beyond-yarn", "yarn-key-on-rope", "llama3-from-8192", "layout", "too-few-tokens"],
 )
 def test_bad_inputs_with_a_checkpoint_are_one_line(run_dir, tmp_path, capsys, monkeypatch, extra, value):
     from megagate.cli import main

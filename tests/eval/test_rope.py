@@ -1,9 +1,12 @@
 """Position-embedding settings of ModelConfig → the rotary tables megatron's modules produce, against an independent
 implementation of the published formulas (RoPE: Su et al. 2021; linear position interpolation: Chen et al. 2023;
-YaRN: Peng et al. 2023) and against megatron's own modules built directly with its defaults."""
+YaRN: Peng et al. 2023), against megatron's own modules built directly with its defaults, and against transformers'
+`ROPE_INIT_FUNCTIONS` (Llama-3 scaling from any original context, YaRN over a partial rotary); and the reach
+(`context_length`) those tables give."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -147,7 +150,9 @@ def test_rope_model_has_no_yarn_factor(megatron_world):
     [
         (dict(position_embedding="alibi"), "position_embedding='alibi'"),
         (dict(yarn_factor=4.0), "yarn_factor is a YaRN setting"),
-        (dict(position_embedding="yarn", rotary_percent=0.5), "rotary_percent=0.5"),
+        (dict(rope_scaling_original_max_position_embeddings=128), "is a Llama-3 scaling setting"),
+        (dict(rope_scaling=True, rope_scaling_low_freq_factor=4.0, rope_scaling_high_freq_factor=2.0), "0 < low"),
+        (dict(rope_scaling=True, rope_scaling_original_max_position_embeddings=0), "must be a positive integer"),
         (dict(position_embedding="yarn", yarn_factor=0.5), "yarn_factor=0.5"),
         (dict(position_embedding="yarn", yarn_beta_fast=1.0, yarn_beta_slow=2.0), "beta_slow"),
         (dict(rotary_percent=0.1), "rotary_percent=0.1"),
@@ -188,3 +193,114 @@ def test_training_with_yarn_and_a_raised_base(tmp_path, session_demo_dir):
     assert curve[3] < curve[1]
     meta = json.loads((tmp_path / "checkpoints" / "iter_0000003" / "megagate.json").read_text())
     assert meta["config"]["model"]["position_embedding"] == "yarn" and meta["config"]["model"]["yarn_factor"] == 2
+
+
+# --- Llama-3 scaling from any original context, YaRN over a partial rotary: transformers' tables -------------------
+def _hf_rope(rope_scaling: dict | None, head_dim: int = 16, partial: float = 1.0, base: float = 10_000.0):
+    """(inv_freq, attention factor) of transformers' ROPE_INIT_FUNCTIONS for a Qwen3-shaped config."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = Qwen3Config(
+        head_dim=head_dim, hidden_size=64, num_attention_heads=4, rope_theta=base, max_position_embeddings=100_000
+    )
+    config.rope_scaling = rope_scaling
+    config.partial_rotary_factor = partial
+    return ROPE_INIT_FUNCTIONS[(rope_scaling or {}).get("rope_type", "default")](config, "cpu")
+
+
+def test_llama3_default_original_is_megatrons_own(megatron_world):
+    """rope_scaling=true with the default settings is exactly megatron's RotaryEmbedding(rope_scaling=True): 8192,
+    low 1, high 4, as before the original context became a setting."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    m, gpt = _model(megatron_world, rope_scaling=True, rope_scaling_factor=4.0)
+    direct = RotaryEmbedding(
+        kv_channels=16, rotary_percent=1.0, rotary_base=10_000, rope_scaling=True, rope_scaling_factor=4.0,
+        use_cpu_initialization=True,
+    )  # fmt: skip
+    assert torch.equal(gpt.rotary_pos_emb.inv_freq, direct.inv_freq)
+    assert torch.equal(gpt.rotary_pos_emb(SEQ), direct(SEQ))
+
+
+@pytest.mark.parametrize(
+    "original, low, high, percent", [(8192, 1.0, 4.0, 1.0), (128, 1.0, 4.0, 1.0), (64, 2.0, 16.0, 0.5)]
+)
+def test_llama3_with_an_original_context_is_transformers_table(megatron_world, original, low, high, percent):
+    m, gpt = _model(
+        megatron_world, rope_scaling=True, rope_scaling_factor=4.0, rotary_percent=percent,
+        rope_scaling_original_max_position_embeddings=original, rope_scaling_low_freq_factor=low,
+        rope_scaling_high_freq_factor=high,
+    )  # fmt: skip
+    scaling = dict(
+        rope_type="llama3", factor=4.0, low_freq_factor=low, high_freq_factor=high,
+        original_max_position_embeddings=original,
+    )  # fmt: skip
+    inv, factor = _hf_rope(scaling, partial=percent)
+    assert factor == 1.0 and torch.equal(gpt.rotary_pos_emb.inv_freq, inv)  # bit for bit
+    plain, _ = _hf_rope(None, partial=percent)
+    # the slowed dims: every one with a wavelength beyond original/low, none below original/high
+    wavelength = 2 * math.pi / plain.double()
+    slowed = ~torch.isclose(inv, plain, rtol=1e-6, atol=0)
+    assert torch.equal(slowed, wavelength >= original / high)
+    torch.testing.assert_close(inv[wavelength > original / low], plain[wavelength > original / low] / 4)
+
+
+def test_yarn_over_a_partial_rotary_is_transformers_table(megatron_world):
+    """megatron's YaRN over the rotated dims only: transformers' yarn with partial_rotary_factor, table and factor."""
+    m, gpt = _model(
+        megatron_world, position_embedding="yarn", yarn_factor=4.0, yarn_original_max_position_embeddings=32,
+        rotary_percent=0.5,
+    )  # fmt: skip
+    emb, mscale = gpt.rotary_pos_emb(SEQ)
+    assert emb.shape[-1] == m.head_dim // 2  # half the dims rotate; the rest pass through apply_rotary_pos_emb
+    inv, factor = _hf_rope(dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32), partial=0.5)
+    assert torch.equal(emb[:, 0, 0, : m.head_dim // 4], torch.outer(torch.arange(SEQ, dtype=torch.float32), inv))
+    assert mscale == factor == gpt.decoder.layers[0].self_attention._yarn_concentration_factor
+
+
+# --- the reach -----------------------------------------------------------------------------------------------------
+def _reach_from_tables(m, gpt) -> int:
+    """context_length recomputed from megatron's own tables: the seen context S times the smallest slow-down
+    θ_i / θ'_i among the dims that do not turn once within S (megagate.model.position's definition)."""
+    from megagate.model.position import seen_length
+
+    dim = int(m.head_dim * m.rotary_percent)
+    theta = 1.0 / (m.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaled = _angles(gpt.rotary_pos_emb, 2)[0][1, : dim // 2]  # the angle at position 1 = θ'_i
+    slow = theta / scaled
+    seen = seen_length(m)
+    limiting = slow[2 * math.pi / theta > seen]
+    return max(m.max_sequence_length, int(seen * float(limiting.min()) + 1e-3))
+
+
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        ({}, 128),
+        (dict(rotary_interpolation_factor=4.0), 512),
+        # megatron's Llama-3 scaling from 8192 on a model declared for 128: the dims with wavelengths 199, 628 and
+        # 1987 tokens turn less than once in 128 tokens and are not slowed (below 8192/4): no reach beyond 128
+        (dict(rope_scaling=True, rope_scaling_factor=4.0), 128),
+        (dict(rope_scaling=True, rope_scaling_factor=4.0, rope_scaling_original_max_position_embeddings=128), 512),
+        (dict(position_embedding="yarn", yarn_factor=4.0), 512),
+        (dict(position_embedding="yarn", yarn_factor=4.0, yarn_original_max_position_embeddings=64), 256),
+        # an original context above the declared length: the dim of wavelength 199 turns 5 times in 1024 tokens
+        # and is only ramped (slowed 1.6x): 128 x 1.6
+        (dict(position_embedding="yarn", yarn_factor=4.0, yarn_original_max_position_embeddings=1024), 204),
+    ],
+)
+def test_context_length_is_the_reach_of_the_tables(megatron_world, fields, expected):
+    m, gpt = _model(megatron_world, rotary_base=10_000, **fields)
+    assert m.context_length == expected == _reach_from_tables(m, gpt)
+
+
+def test_eval_refuses_lengths_beyond_the_llama3_reach():
+    from megagate.errors import MegagateError
+    from megagate.evaluate.options import check_lengths
+
+    from_8192 = model_preset("tiny", rope_scaling=True, rope_scaling_factor=4.0)
+    with pytest.raises(MegagateError, match="length 512 exceeds the 128 tokens .*Llama-3 scaling x4 from 8192") as info:
+        check_lengths(from_8192, [128, 512], "ckpt")
+    assert "rope_scaling_original_max_position_embeddings=128" in str(info.value)
+    check_lengths(dataclasses.replace(from_8192, rope_scaling_original_max_position_embeddings=128), [512], "ckpt")

@@ -17,6 +17,7 @@ import torch
 
 from helpers import forked
 from helpers.slurm_harness import REPO
+from helpers.tiny_runs import STRAGGLER, no_stragglers
 
 CONFIG = REPO / "examples" / "tiny_cpu.yaml"
 STEPS = 12
@@ -37,6 +38,7 @@ def overrides(demo_dir: Path, out: Path, tp: int = 2) -> list[str]:
         "logging.tensorboard=false",
         f"checkpoint.interval={CHECKPOINT_INTERVAL}",
         f"parallel.tensor_model_parallel_size={tp}",
+        *STRAGGLER,  # and no straggler may be reported (run_local checks; the Slurm tests check their runs too)
     ]
 
 
@@ -60,6 +62,7 @@ def run_local(argv: list[str], log: Path, timeout: float = 300) -> float:
         proc = subprocess.run(argv, cwd=REPO, env=local_env(), stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
     text = log.read_text()
     assert proc.returncode == 0, f"{argv[:4]} exited {proc.returncode}:\n{text[-4000:]}"
+    no_stragglers(Path(next(a.split("=", 1)[1] for a in argv if a.startswith("output.dir="))))
     return time.monotonic() - t0
 
 

@@ -119,8 +119,12 @@ def test_formats_for_each_variant():
         ("baseline", "qwen3", {"norm_zero_centered": True}, ("norm_zero_centered=true", "none")),
         ("g1-elementwise", "qwen3_next", {}, ("norm_zero_centered=false", "paper")),
         ("baseline", "qwen3", {"rotary_percent": 0.5}, ("rotary_percent=0.5", "none")),
-        ("baseline", "qwen3", {"position_embedding": "yarn", "yarn_factor": 4.0}, ("position_embedding='yarn'",)),
-        ("baseline", "qwen3", {"rotary_interpolation_factor": 2.0}, ("rotary_interpolation_factor",)),
+        (
+            "baseline",
+            "qwen3",
+            {"rotary_interpolation_factor": 2.0, "rope_scaling": True},
+            ("rotary_interpolation_factor=2.0 with model.rope_scaling=true", "holds one RoPE scaling", "none"),
+        ),
         ("baseline", "qwen3_moe", {}, ("num_experts=0", "qwen3, paper")),
     ],
 )
@@ -142,6 +146,19 @@ def test_default_format_refuses_a_model_no_format_holds():
 
 
 # --- config.json both ways ----------------------------------------------------------------------------------------
+_ORIGINAL = "yarn_original_max_position_embeddings"
+
+
+def test_yarn_original_context_is_written_explicitly():
+    """megagate's yarn_original_max_position_embeddings null (= max_sequence_length) is written as the number (no
+    transformers warning about an unset pre-YaRN length) and read back as that number."""
+    model = _model(position_embedding="yarn", yarn_factor=4.0)
+    scaling = hf.hf_config(model, "qwen3")["rope_scaling"]
+    assert scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    back, _ = hf.model_config_from_hf(hf.hf_config(model, "qwen3"))
+    assert back.yarn_original_max_position_embeddings == 4096 == model.yarn_original_length
+
+
 @pytest.mark.parametrize(
     ("gate", "fmt", "overrides"),
     [
@@ -152,6 +169,14 @@ def test_default_format_refuses_a_model_no_format_holds():
         ("g1-elementwise", "paper", {}),
         ("g1-headwise", "paper", {"rotary_base": 500_000}),
         ("baseline", "paper", {"qk_layernorm": False}),
+        ("baseline", "qwen3", {"position_embedding": "yarn", "yarn_factor": 4.0, _ORIGINAL: 32}),
+        ("baseline", "qwen3_moe", {**MOE, "rotary_interpolation_factor": 2.0}),
+        ("g1-elementwise", "qwen3_next", {"norm_zero_centered": True, "rotary_percent": 0.25, "rope_scaling": True}),
+        (
+            "g1-headwise",
+            "paper",
+            {"position_embedding": "yarn", "yarn_factor": 2.0, "yarn_beta_fast": 8.0, _ORIGINAL: 64},
+        ),
     ],
 )
 def test_config_round_trip(gate, fmt, overrides):
@@ -167,7 +192,7 @@ def test_config_round_trip(gate, fmt, overrides):
 @pytest.mark.parametrize(
     ("fmt", "change", "name"),
     [
-        ("qwen3", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+        ("qwen3", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic'"),
         ("qwen3", {"hidden_act": "gelu"}, "hidden_act"),
         ("qwen3", {"rope_theta": 10000.5}, "rope_theta"),
         ("qwen3", {"model_type": "llama"}, "model_type"),

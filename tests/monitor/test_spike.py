@@ -319,7 +319,9 @@ def test_abort_saves_and_stops_with_an_error(runs):
 
 
 def test_faults_validate():
-    with pytest.raises(ConfigError, match="kind='melt' is not one of corrupt_batch, scale_loss, scale_lr, nan_grad"):
+    with pytest.raises(
+        ConfigError, match="kind='melt' is not one of corrupt_batch, scale_loss, scale_lr, nan_grad, hang, slow_rank"
+    ):
         Fault(3, "melt")
     inj = FaultInjector([Fault.from_dict({"step": 5, "kind": "scale_lr", "factor": 100.0})])
     assert inj.lr_scale(5) == 100.0 and inj.lr_scale(6) == 1.0 and inj.lr_scale(5) == 1.0  # fires once
@@ -343,11 +345,11 @@ def test_faults_validate():
         ({"spikes": {}}, "monitor.spikes is not a known key; allowed: diagnostics, faults, spike"),
         (
             {"faults": [{"step": 3, "kind": "nan_grad", "strength": 2}]},
-            "monitor.faults[0].strength is not a known key; allowed: factor, kind, step",
+            "monitor.faults[0].strength is not a known key; allowed: factor, host, kind, phase, rank, step",
         ),
         (
             {"faults": [{"step": 3, "kind": "nan_grad"}, {"step": 4, "kind": "melt"}]},
-            "monitor.faults[1].kind='melt' is not one of corrupt_batch, scale_loss, scale_lr, nan_grad",
+            "monitor.faults[1].kind='melt' is not one of corrupt_batch, scale_loss, scale_lr, nan_grad, hang",
         ),
         ({"faults": [{"kind": "nan_grad"}]}, "monitor.faults[0] needs a step"),
         ({"faults": {"step": 3}}, "monitor.faults must be a list of {step, kind, factor} mappings"),

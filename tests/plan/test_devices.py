@@ -3,7 +3,7 @@ each precision, and the MFU metrics a run logs (named by the peak's precision)."
 
 import pytest
 
-from megagate.plan.devices import DEVICES, from_cuda_name
+from megagate.plan.devices import GPUS, from_cuda_name
 from megagate.train.metric_writer import mfu_peaks
 
 
@@ -36,7 +36,7 @@ def test_unknown_names_are_not_guessed(cuda_name: str) -> None:
 
 
 def test_every_name_is_one_device() -> None:
-    names = [n for d in DEVICES.values() for n in d.cuda_names]
+    names = [n for d in GPUS.values() for n in d.cuda_names]
     assert len(names) == len(set(names)) and all(n.startswith("NVIDIA ") for n in names)
 
 

@@ -126,6 +126,7 @@ def test_time_limits(text: str, seconds: int) -> None:
         ({"container_mounts": ("/a:/a,/b:/b",)}, "container mount '/a:/a,/b:/b' is invalid"),
         ({"partition": "gpu\n#SBATCH --x"}, "partition='gpu\\n#SBATCH --x' is invalid"),
         ({"signal_lead_s": 70000}, "signal_lead_s=70000 is too large"),
+        ({"exclude_after_hangs": -1}, "exclude_after_hangs=-1 is invalid"),
     ],
 )
 def test_request_validation(kwargs, fragment: str) -> None:
@@ -421,3 +422,35 @@ def test_failure_reason_and_key(tmp_path: Path, srun_errors, progress, reason, k
         env={"STEP_ERR": str(err), "PROGRESS_FILE": progress_file, "PATH": os.environ["PATH"]},
     )
     assert out.stdout == f"{reason}\n{key}\n", out.stderr
+
+
+def test_hang_accounting_excludes_a_host_after_repeated_hangs(tmp_path: Path) -> None:
+    """The requeue protocol's `exclude_hung_hosts`: a host blamed for exclude_after_hangs hangs (the attempts file's
+    fifth column) joins the exclusion list once; other failures and other hosts do not count."""
+    script = render_batch_script(SlurmRequest(gpus_per_node=0, tasks_per_node=2, exclude_after_hangs=2), ["t.py"])
+    assert "MEGAGATE_EXCLUDE_AFTER_HANGS=2" in script and 'export MEGAGATE_FAILURE_FILE="$STATE_DIR/job-' in script
+    functions = script[script.index("exclude_hung_hosts() {") :]
+    functions = functions[: functions.index("\nfailure_key() {")]
+    attempts, excluded = tmp_path / "attempts", tmp_path / "excluded"
+    attempts.write_text(
+        "0\t75\thang on node1\thang: rank 0 (node1) did not arrive\tnode1\n"
+        "1\t1\tExited with exit code 1\tExited with exit code 1\t\n"
+        "2\t75\thang on node1,node3\thang: ranks 0,5 did not arrive\tnode1,node3\n"
+    )
+    env = {"FAILURES": str(attempts), "EXCLUDED": str(excluded), "PATH": os.environ["PATH"]}
+
+    def run(hosts: str, limit: int) -> str:
+        proc = subprocess.run(
+            ["bash", "-c", f"{functions}\nMEGAGATE_EXCLUDE_AFTER_HANGS={limit}; exclude_hung_hosts {hosts}"],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    assert run("node1,node3", 0) == "" and not excluded.exists()  # 0: never
+    out = run("node1,node3", 2)
+    assert out == "megagate-slurm: excluding node1 from this job: 2 hangs there (exclude_after_hangs=2)\n"
+    assert excluded.read_text() == "node1\n"  # node3 hung once only
+    assert run("node1", 2) == "" and excluded.read_text() == "node1\n"  # listed once

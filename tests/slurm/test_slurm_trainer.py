@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from helpers.slurm_harness import REPO
+from helpers.tiny_runs import no_stragglers
 from helpers.trainer_runs import (
     CHECKPOINT_INTERVAL,
     CONFIG,
@@ -66,8 +67,19 @@ def reference(tmp_path_factory, session_demo_dir) -> Reference:
     return ref
 
 
-def submit(slurm, workdir: Path, job_name: str, out: Path, demo_dir: Path, monkeypatch, capsys) -> int:
-    """`megagate submit` (the CLI entry point, in this process) for the shared run on 2 nodes x 2 CPU tasks."""
+def submit(
+    slurm,
+    workdir: Path,
+    job_name: str,
+    out: Path,
+    demo_dir: Path,
+    monkeypatch,
+    capsys,
+    extra: tuple[str, ...] = (),
+    nodes: int = 2,
+) -> int:
+    """`megagate submit` (the CLI entry point, in this process) for the shared run on 2 nodes x 2 CPU tasks
+    (`extra`: more overrides; `nodes`: 1 for a TP=2 job on one node)."""
     from megagate import cli
 
     for key in ("SLURM_CONF", "PYTHONPATH", "PATH"):
@@ -78,8 +90,9 @@ def submit(slurm, workdir: Path, job_name: str, out: Path, demo_dir: Path, monke
             "submit",
             str(CONFIG),
             *overrides(demo_dir, out),
+            *extra,
             "--nodes",
-            "2",
+            str(nodes),
             "--gpus-per-node",
             "0",
             "--tasks-per-node",
@@ -100,7 +113,7 @@ def submit(slurm, workdir: Path, job_name: str, out: Path, demo_dir: Path, monke
     )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
-    assert "# layout: TP=2 PP=1 CP=1 DP=2 world=4" in captured.out
+    assert f"# layout: TP=2 PP=1 CP=1 DP={nodes} world={2 * nodes}" in captured.out
     assert captured.out.count(" -m megagate train --config ") == 1
     return int(captured.err.strip().rsplit(" ", 1)[1])
 
@@ -112,6 +125,7 @@ def job_log(workdir: Path, job_name: str, job: int) -> str:
 
 def assert_same_final_state(out: Path, reference: Path) -> int:
     """Every tensor of the final checkpoints (model weights and Adam state) is bit-identical; returns the count."""
+    no_stragglers(out)  # a job without a slow rank reports none (its ranks are compared every 4 steps)
     got, want = checkpoint_tensors(final_checkpoint(out)), checkpoint_tensors(final_checkpoint(reference))
     assert sorted(got) == sorted(want)
     model_keys = [k for k in got if k.startswith(("embedding.", "decoder.", "output_layer."))]
@@ -244,6 +258,62 @@ def test_trainer_full_job_usr1_saves_stop_checkpoint_and_resumes(
         f"USR1 --full after step {CHECKPOINT_INTERVAL}'s checkpoint: stopped at {stopped}, resumed, finished in "
         f"{elapsed:.1f} s; {STEPS} losses and {n} tensors bit-identical"
     )
+
+
+# --- a stuck rank on the cluster (megagate.health.watchdog) ------------------------------------------------------
+# short watchdog limits (tests/helpers/fault_runs.WATCHDOG) and a hang on rank 2 (node2) in step 5's forward-backward
+HANG = ("monitor.faults=[{step: 5, kind: hang, rank: 2, phase: forward_backward}]",)
+
+
+@pytest.mark.slurm
+def test_trainer_hang_is_diagnosed_requeued_resumed_and_finishes(
+    slurm, reference: Reference, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A rank that hangs: the watchdog ends the step (exit 75) with the diagnosis, the batch script records it as
+    the reason and requeues; the job resumes from step 3's checkpoint and ends bit-identical to torchrun's run."""
+    from helpers.fault_runs import WATCHDOG
+
+    out = tmp_path / "run"
+    job = submit(slurm, tmp_path, "hang", out, reference.demo_dir, monkeypatch, capsys, (*WATCHDOG, *HANG))
+    info = slurm.wait(job, timeout=SLURM_TIMEOUT)
+    log = job_log(tmp_path, "hang", job)
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), log[-4000:]
+    reason = "hang: rank 2 (node2) did not arrive: forward_backward of step 5 for"
+    assert f"megagate train: error: {reason}" in log  # the diagnosing rank's line
+    assert re.search(
+        rf"megagate-slurm: step failed \(exit code 75: {re.escape(reason)}.*\); requeueing job {job} ", log
+    )
+    resumes = re.findall(rf"resumed from {re.escape(str(out))}/checkpoints/iter_(\d{{7}}) at step (\d+) ", log)
+    assert resumes == [("0000003", "3")], resumes
+    assert len(list((out / "watchdog").iterdir())) == 2  # two launches; the first left every rank's stacks
+    first = sorted((out / "watchdog").iterdir())[0]
+    assert sorted(p.name for p in first.glob("stacks-rank*.txt")) == [f"stacks-rank{r:05d}.txt" for r in range(4)]
+    assert losses(out) == reference.losses()  # bit-identical, each step once
+    assert_same_final_state(out, reference.torchrun)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_trainer_repeated_hangs_on_one_node_exclude_it(
+    slurm, reference: Reference, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A node where every launch hangs (a host fault): after exclude_after_hangs=2 hangs there the job is requeued
+    without it (ExcNodeList), runs on the other node and finishes."""
+    from helpers.fault_runs import WATCHDOG
+
+    out = tmp_path / "run"
+    bad = "monitor.faults=[{step: 5, kind: hang, host: node1, phase: forward_backward}]"
+    job = submit(slurm, tmp_path, "badnode", out, reference.demo_dir, monkeypatch, capsys, (*WATCHDOG, bad), nodes=1)
+    info = slurm.wait(job, timeout=2 * SLURM_TIMEOUT)
+    log = job_log(tmp_path, "badnode", job)
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "2"), log[-4000:]
+    attempts = re.findall(r"megagate-slurm: job \d+ attempt (\d) \(restart \d of \d+\) on (node\d)", log)
+    assert attempts == [("1", "node1"), ("2", "node1"), ("3", "node2")], attempts
+    assert log.count("hang: rank 0 (node1) did not arrive") >= 2 or log.count("(node1) did not arrive") >= 2
+    assert "megagate-slurm: excluding node1 from this job: 2 hangs there (exclude_after_hangs=2)" in log
+    assert re.search(rf"requeueing job {job} \(restart 2 of 50\) excluding node1 at", log)
+    assert info["ExcNodeList"] == "node1"
+    assert "training step finished (exit 0)" in log and "resumed from" in log
 
 
 # --- model.preset in `megagate submit` (no cluster) -----------------------------------------------------------------

@@ -152,6 +152,7 @@ def test_callback_order_is_declared_by_priority() -> None:
         "FaultInjection",
         "SpikeMonitoring",
         "LiveDiagnostics",
+        "StragglerReport",
         "ManualGC",
         "Profiling",
         "Evaluation",

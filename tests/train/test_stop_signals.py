@@ -1,4 +1,4 @@
-"""Stop signals the way Slurm sends them: to every process of the trainer's process group.
+"""Stop signals the way Slurm sends them (and a terminal's Ctrl-C): to every process of the trainer's process group.
 
 After the first checkpoint the trainer has children (megatron's checkpoint-writer Manager, its resource tracker).
 A SIGTERM/SIGUSR1 to the whole group used to kill the Manager, so the stop save failed (BrokenPipeError, rc 1) and
@@ -94,7 +94,7 @@ def metric_steps(out: Path) -> list[int]:
     return [r["step"] for r in map(json.loads, lines) if r["split"] == "train"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=["SIGTERM", "SIGUSR1", "SIGINT"])
 def test_process_group_signal_saves_stop_checkpoint_and_resumes_exactly(sig, reference, tmp_path, session_demo_dir):
     proc = start(tmp_path, session_demo_dir, *INTERVAL)
     pgid = os.getpgid(proc.pid)
@@ -103,7 +103,9 @@ def test_process_group_signal_saves_stop_checkpoint_and_resumes_exactly(sig, ref
     os.killpg(pgid, sig)  # what Slurm does: every process of the step
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-4000:]
-    assert "Traceback" not in output and "BrokenPipeError" not in output
+    assert "Traceback" not in output and "BrokenPipeError" not in output and "KeyboardInterrupt" not in output
+    if sig == signal.SIGINT:  # Ctrl-C: said what happens and how to abort
+        assert "interrupt: checkpointing at the next step boundary, then exiting (press Ctrl-C again" in output
     stopped = int(re.search(r"stopped at step (\d+) \(signal\)", output).group(1))
     assert 4 <= stopped < 12
     assert (tmp_path / "checkpoints" / f"iter_{stopped:07d}").is_dir()  # the stop checkpoint was written
@@ -175,3 +177,61 @@ def test_data_loader_workers_ignore_stop_signals_and_die_with_the_trainer():
     init = functools.partial(children.worker_init, os.getpid())
     batch = next(iter(build_loader(_Dispositions(), 2, num_workers=1, worker_init_fn=init)))
     assert batch["tokens"].tolist() == [[1, 1, 1, int(signal.SIGKILL)]] * 2
+
+
+@pytest.mark.distributed
+def test_second_sigint_aborts_at_once_even_inside_a_collective(tmp_path, session_demo_dir):
+    """Ctrl-C twice on a rank blocked in a gloo all-reduce (its peer hangs): Python cannot run a handler until the
+    collective returns, so the wakeup-pipe thread aborts it (exit 130) right after the second SIGINT."""
+    import json
+
+    from helpers import fault_runs as F
+
+    args = ["checkpoint.interval=2", "monitor.faults=[{step: 3, kind: hang, rank: 1, phase: forward_backward}]"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "megagate"]
+    cmd += ["train", "--config", str(T.CONFIG), *T.BASE, f"data.demo_dir={session_demo_dir}", f"output.dir={tmp_path}"]
+    proc = subprocess.Popen(
+        [*cmd, *args],
+        cwd=T.ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
+    try:
+        deadline, record = time.monotonic() + 600, {}
+        while time.monotonic() < deadline and proc.poll() is None:
+            folders = F.launches(tmp_path)
+            path = folders[-1] / "rank00000.json" if folders else None
+            if path is not None and path.exists():
+                record = json.loads(path.read_text())
+                if record["step"] == 3 and record["waiting"] and record["phase"] == "grad_sync":
+                    break
+            time.sleep(0.05)
+        assert record.get("waiting") and record["where"].startswith("torch/distributed/"), record
+        pid = record["pid"]
+        os.kill(pid, signal.SIGINT)
+        time.sleep(1.0)
+        assert Path(f"/proc/{pid}").exists()  # the first one only asks for a stop checkpoint
+        os.kill(pid, signal.SIGINT)
+        sent = time.monotonic()
+        while Path(f"/proc/{pid}").exists() and time.monotonic() - sent < 10:
+            stat = Path(f"/proc/{pid}/stat").read_text() if Path(f"/proc/{pid}").exists() else ""
+            if stat and stat.rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.02)
+        aborted_in = time.monotonic() - sent
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert aborted_in < 2.0, aborted_in
+    assert "megagate: second interrupt: aborting now (nothing saved)" in output
+    assert "exitcode  : 130" in output, output[-3000:]
+    assert no_orphans(proc.pid) == {}  # torchrun led its own process group
+    from megagate import checkpoint as ckpt
+
+    root = tmp_path / "checkpoints"  # the checkpoint of step 2 is the newest, intact
+    assert [p.name for _, p in ckpt.complete_checkpoints(root)] == ["iter_0000002"]
+    assert ckpt.verify(root / "iter_0000002", collective=False) is None

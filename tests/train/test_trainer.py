@@ -38,16 +38,34 @@ def test_loss_decreases_and_run_files(reference):
     assert (reference / "summary.json").exists() and (reference / "config.yaml").exists()
 
 
+def test_save_final_false_leaves_no_checkpoint(tmp_path, demo_dir):
+    """checkpoint.save_final=false: neither a stopped nor a completed launch writes one (interval 0), and a rerun
+    starts over (nothing to resume from); what it logged says so."""
+    off = "checkpoint.save_final=false"
+    stopped = T.run_train(tmp_path, demo_dir, off, "train.exit_after_steps=3")
+    assert "stopped at step 3 (exit_after_steps=3); no checkpoint at the end (checkpoint.save_final=false)" in (
+        stopped.stdout
+    )
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+    completed = T.run_train(tmp_path, demo_dir, off, "train.train_steps=4")
+    assert "resumed from" not in completed.stdout and "validation at step 4" in completed.stdout
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
 def test_same_seed_same_trajectory(reference, tmp_path, demo_dir):
     T.run_train(tmp_path, demo_dir)
     assert T.losses(tmp_path) == T.losses(reference)  # bitwise equal floats
 
 
 def test_stop_and_resume_is_bitwise_identical(reference, tmp_path, demo_dir):
-    first = T.run_train(tmp_path, demo_dir, "train.exit_after_steps=5")
+    first = T.run_train(tmp_path, demo_dir, "train.exit_after_steps=5", fresh=True)  # a new interpreter's start-up
     assert "stopped at step 5" in first.stdout
     second = T.run_train(tmp_path, demo_dir)
     assert "resumed from" in second.stdout and "at step 5" in second.stdout
+    # a quiet console: a fresh CPU run (a new interpreter: megatron's import-time notices too) and a resume (forked:
+    # the notices of loading a checkpoint) print only megagate's lines (megagate.console filters the known
+    # third-party notices; test_finished_run_rerun_changes_nothing shows them with MEGAGATE_VERBOSE=1)
+    assert T.foreign_console_lines(first) == [] and T.foreign_console_lines(second) == []
     assert T.losses(tmp_path) == T.losses(reference)
     ours = T.checkpoint_tensors(tmp_path / "checkpoints" / "iter_0000012", tmp_path)
     theirs = T.checkpoint_tensors(reference / "checkpoints" / "iter_0000012", tmp_path)
@@ -178,10 +196,19 @@ def _snapshot(run: Path) -> dict[str, bytes]:
 
 
 def test_finished_run_rerun_changes_nothing(reference, demo_dir):
-    """A completed run started again (e.g. a requeued job) is a no-op: every file of the run stays byte-identical."""
+    """A completed run started again (e.g. a requeued job) is a no-op: every file of the run stays byte-identical.
+    Rerun with MEGAGATE_VERBOSE=1: the console shows the third-party notices megagate.console filters otherwise
+    (those of a start-up and of loading a checkpoint), so the quiet-console checks above are not vacuous."""
     before = _snapshot(reference)
-    rerun = T.run_train(reference, demo_dir)
+    rerun = T.run_train(reference, demo_dir, env={"MEGAGATE_VERBOSE": "1"}, fresh=True)  # import-time notices too
     assert "already complete at step 12; nothing to do" in rerun.stdout
+    for notice in (
+        "UserWarning: Apex is not installed. Falling back to Torch Norm",
+        "FutureWarning: Please use DTensor instead and we are deprecating ShardedTensor.",
+        "and md.size != obj.size()",  # the source line Python prints under torch's warning
+    ):
+        assert notice in rerun.stderr, notice
+    assert "[Gloo] Rank 0 is connected to 0 peer ranks" in rerun.stdout
     after = _snapshot(reference)
     assert after.keys() == before.keys() and all(after[k] == before[k] for k in before)
     summary = json.loads((reference / "summary.json").read_text())

@@ -5,6 +5,7 @@ metrics.py   MetricsLogger (config.yaml, metrics.jsonl, TensorBoard, console), R
 cadence.py   StopChecks (signals, wall time, exit_after_steps), Evaluation, Checkpointing
 monitor.py   FaultInjection, SpikeMonitoring (skip / rollback / lr_backoff / abort), LiveDiagnostics
 profiling.py ManualGC, Profiling (the perf section: perf.manual_gc_interval, perf.profile)
+health.py    StragglerReport (the straggler section; the hang watchdog runs beside the trainer: megagate.health)
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from megagate.run_setup import RunSetup
 from megagate.train.callbacks.base import Callback
 from megagate.train.callbacks.cadence import Checkpointing, Evaluation, StopChecks, evaluate
+from megagate.train.callbacks.health import StragglerReport
 from megagate.train.callbacks.metrics import MetricsLogger, RunSummary
 from megagate.train.callbacks.monitor import FaultInjection, LiveDiagnostics, SpikeMonitoring
 from megagate.train.callbacks.profiling import ManualGC, Profiling, perf_callbacks
@@ -19,16 +21,19 @@ from megagate.train.callbacks.profiling import ManualGC, Profiling, perf_callbac
 
 def default_callbacks(setup: RunSetup) -> list[Callback]:
     """The callbacks of `megagate train` for a run set-up. Their order is each class's `priority` (the trainer sorts):
-    StopChecks 100, MetricsLogger 90, FaultInjection 80, SpikeMonitoring 70, LiveDiagnostics 60, ManualGC 50,
-    Profiling 40, Evaluation 30, Checkpointing 20, RunSummary 10; each class says why in its docstring."""
-    m = setup.cfg.monitor
+    StopChecks 100, MetricsLogger 90, FaultInjection 80, SpikeMonitoring 70, LiveDiagnostics 60, StragglerReport 55,
+    ManualGC 50, Profiling 40, Evaluation 30, Checkpointing 20, RunSummary 10; each class says why in its docstring."""
+    cfg = setup.cfg
+    m = cfg.monitor
     callbacks: list[Callback] = [StopChecks(), MetricsLogger()]
     if m.faults:
-        callbacks.append(FaultInjection(m.faults))
+        callbacks.append(FaultInjection(m.faults, cfg.output.dir))
     if m.spike.enabled:
         callbacks.append(SpikeMonitoring(m.spike))
     if m.diagnostics.interval:
         callbacks.append(LiveDiagnostics(m.diagnostics.interval))
+    if cfg.straggler.enabled:
+        callbacks.append(StragglerReport(cfg.straggler))
     return callbacks + perf_callbacks(setup) + [Evaluation(), Checkpointing(), RunSummary()]
 
 
@@ -44,6 +49,7 @@ __all__ = [
     "RunSummary",
     "SpikeMonitoring",
     "StopChecks",
+    "StragglerReport",
     "default_callbacks",
     "evaluate",
 ]

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 
 from megagate.console import log
+from megagate.health import progress
+from megagate.run_config import TrainConfig
 from megagate.train import components as parts
 from megagate.train.callbacks.base import Callback, StepOutput, TrainerView
 from megagate.train.callbacks.metrics import MetricsLogger
@@ -20,7 +22,7 @@ def evaluate(trainer: TrainerView) -> float:
     for chunk in trainer.model:
         chunk.eval()
     losses = []
-    with torch.no_grad():
+    with torch.no_grad(), progress.within("evaluation"):
         for _ in range(cfg.train.eval_iters):
             batches = [next(data) for _ in range(trainer.layout.num_microbatches)]
             losses.append(trainer.forward_backward(batches, forward_only=True))
@@ -61,7 +63,8 @@ class Evaluation(Callback):
 
     def on_end(self, trainer: TrainerView) -> None:
         if trainer.completed:
-            if self.saved_step != trainer.step:  # the final checkpoint first: the validation cannot lose it
+            # the final checkpoint first (unless checkpoint.save_final=false): the validation cannot lose it
+            if trainer.cfg.checkpoint.save_final and self.saved_step != trainer.step:
                 trainer.save_checkpoint()
             self._evaluate(trainer)
 
@@ -72,9 +75,16 @@ class Evaluation(Callback):
             self.logger.validation(trainer.step, loss)
 
 
+def asynchronous(cfg: TrainConfig) -> bool:
+    """checkpoint.async_save, resolved: None means asynchronous with CUDA, synchronous on CPU."""
+    value = cfg.checkpoint.async_save
+    return torch.cuda.is_available() if value is None else value
+
+
 class Checkpointing(Callback):
     """A checkpoint every checkpoint.interval steps and at the end of every launch that trained (completed, stopped
-    by a signal or the wall-time limit, or aborted by a callback), so a rerun of the same command resumes."""
+    by a signal or the wall-time limit, or aborted by a callback), so a rerun of the same command resumes; none at
+    the end with checkpoint.save_final=false."""
 
     priority = 20
 
@@ -85,6 +95,7 @@ class Checkpointing(Callback):
         self.saved_step = step  # a save asked for by anyone (Evaluation's final one, a callback's)
 
     def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
+        trainer.checkpointer.poll()  # a background save becomes a checkpoint once every rank wrote its shards
         interval = trainer.cfg.checkpoint.interval
         # a stopping run saves once, in on_end
         if (
@@ -93,15 +104,24 @@ class Checkpointing(Callback):
             and output.step < trainer.cfg.train.train_steps
             and trainer.stop_reason is None
         ):
-            trainer.save_checkpoint()
+            trainer.save_checkpoint(background=asynchronous(trainer.cfg))
+
+    def on_close(self, trainer: TrainerView) -> None:
+        # on_end did not run (an exception is leaving the loop): no collective, the previous checkpoint stays
+        trainer.checkpointer.abort()
 
     def on_end(self, trainer: TrainerView) -> None:
+        with progress.within("save"):
+            trainer.checkpointer.wait()  # the final or stop checkpoint, the lock and a requeue wait for it
         # trainer.step == start_step: the latest checkpoint already holds this state (or no step ran)
-        if trainer.step > trainer.start_step and self.saved_step != trainer.step:
+        wanted = trainer.cfg.checkpoint.save_final and trainer.step > trainer.start_step
+        if wanted and self.saved_step != trainer.step:
             trainer.save_checkpoint()
         if trainer.stop_reason is not None and trainer.error is None:
             if self.saved_step == trainer.step:
                 saved = "checkpoint saved"
+            elif not trainer.cfg.checkpoint.save_final:
+                saved = "no checkpoint at the end (checkpoint.save_final=false)"
             elif trainer.step == 0:
                 saved = "no step was trained, nothing to save"
             else:
@@ -110,7 +130,7 @@ class Checkpointing(Callback):
 
 
 class StopChecks(Callback):
-    """Stops before a step on SIGTERM/SIGUSR1 (any rank), near train.wall_time_limit, or after
+    """Stops before a step on SIGTERM/SIGUSR1/SIGINT (any rank), near train.wall_time_limit, or after
     train.exit_after_steps steps of this launch; all ranks agree (megagate.train.signals). First of all."""
 
     priority = 100

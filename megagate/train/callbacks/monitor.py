@@ -18,7 +18,8 @@ import torch
 
 from megagate import checkpoint as ckpt
 from megagate.console import log
-from megagate.monitor import diagnostics, runfiles
+from megagate.health.watchdog import host_name
+from megagate.monitor import diagnostics, process_faults, runfiles
 from megagate.monitor.events import EventLog
 from megagate.monitor.faults import Fault, FaultInjector
 from megagate.monitor.spike import SpikeAbort, SpikeMonitor, SpikeMonitorConfig, worst_action
@@ -102,7 +103,9 @@ class SpikeMonitoring(Callback):
 
 
 class FaultInjection(Callback):
-    """`monitor.faults`: corrupt a step's batch, poison a gradient, scale the loss the monitor sees, or the LR.
+    """`monitor.faults`: corrupt a step's batch, poison a gradient, scale the loss the monitor sees, or the LR; and
+    the cluster faults (a hang, a slow rank, a failed save or load on one rank: megagate.monitor.process_faults),
+    armed here already because a load fault acts during the resume, before on_start.
 
     Before SpikeMonitoring: the loss it scales is the one the monitor judges (LR factors multiply in this order).
     """
@@ -110,8 +113,14 @@ class FaultInjection(Callback):
     priority = 80
     state_key = "faults"
 
-    def __init__(self, faults: Sequence[Fault]) -> None:
+    def __init__(self, faults: Sequence[Fault], run_dir: str | None = None) -> None:
         self.injector = FaultInjector(faults)
+        if run_dir is not None:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            process_faults.arm(faults, run_dir, rank, host_name())
+
+    def on_close(self, trainer: TrainerView) -> None:
+        process_faults.disarm()
 
     def pre_step(self, trainer: TrainerView, step: int, microbatches: list[dict]) -> list[dict]:
         return self.injector.batches(step, microbatches, trainer.cfg.model.vocab_size)

@@ -1,0 +1,211 @@
+"""`calibrate(budget_s)`: measure this machine within a time budget and fit its DeviceProfile (docs/planning.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+
+from megagate.calibrate import collectives, framework, measure
+from megagate.calibrate.timing import Deadline
+from megagate.plan import curves
+from megagate.plan.profile import DeviceProfile, Host, Link
+
+# shares of the budget left when each section starts (the framework's trainer steps matter most on a CPU)
+SHARES = {"bandwidth": 0.02, "gemm": 0.25, "grouped": 0.06, "collectives": 0.35, "attention": 0.3}
+UNMEASURED_LINK = Link(50e-6, 5e9)  # a single-rank machine: no collective to time (stated in the profile)
+
+
+def _machine() -> tuple[str, str, int, str | None]:
+    """(name, kind, memory bytes, GPU table name) of this machine."""
+    if torch.cuda.is_available():
+        from megagate.plan.devices import from_cuda_name
+
+        name = torch.cuda.get_device_name()
+        spec = from_cuda_name(name)
+        memory = spec.memory_bytes if spec else torch.cuda.get_device_properties(0).total_memory
+        return name, "gpu", memory, spec.name if spec else None
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return f"cpu: {model} ({os.cpu_count()} cores)", "cpu", memory, None
+
+
+def calibrate(budget_s: float = 110.0, ranks: int = 2, log: Callable[[str], None] = print) -> DeviceProfile:
+    """Measure kernels, collectives and the trainer's overheads within `budget_s` seconds; the fitted profile."""
+    deadline = Deadline(budget_s)
+    cpu_start, waited = time.process_time(), 0.0
+    name, kind, memory, gpu = _machine()
+    gpu_run = kind == "gpu"
+    dtypes = ["bf16"] if gpu_run else ["fp32", "bf16"]
+    samples: dict = {"threads": torch.get_num_threads(), "torch": torch.__version__, "load": [os.getloadavg()[0]]}
+    notes: list[str] = []
+    if not gpu_run and os.getloadavg()[0] > 1.5 * (os.cpu_count() or 1):
+        log(
+            f"calibrate: the machine is busy (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): "
+            "the profile predicts steps under that load, and its figures are noisy"
+        )
+
+    bandwidth, cache_bandwidth, cache_bytes = measure.bandwidth(deadline.share(SHARES["bandwidth"]))
+    samples["bandwidth"] = [bandwidth, cache_bandwidth, cache_bytes]
+    log(
+        f"calibrate: memory bandwidth {bandwidth / 1e9:.1f} GB/s"
+        + (f", {cache_bandwidth / 1e9:.1f} GB/s on tensors up to {cache_bytes >> 10} KiB" if cache_bandwidth else "")
+        + f" ({deadline.elapsed():.0f} s)"
+    )
+
+    gemm = {}
+    for i, dt in enumerate(dtypes):
+        s = measure.gemm_samples(dt, deadline.share(SHARES["gemm"] / (len(dtypes) - i)))
+        gemm[dt], err = curves.fit_gemm(s)
+        samples[f"gemm_{dt}"] = s
+        log(
+            f"calibrate: {dt} GEMMs up to {gemm[dt].rate / 1e9:.1f} GFLOP/s, half speed at {gemm[dt].half:.0f}, "
+            f"{gemm[dt].latency * 1e6:.1f} us per call ({len(s)} shapes, rms error {err:.0%})"
+        )
+    main = dtypes[0]
+
+    g = measure.grouped_samples(main, deadline.share(SHARES["grouped"]))
+    samples["experts"] = g
+    grouped = {}
+    if g["grouped"]:
+        per_expert = [(tokens, n, k, t / experts) for experts, tokens, n, k, t in g["grouped"]]
+        grouped[main], _ = curves.fit_gemm(per_expert)
+    log(f"calibrate: experts by tokens per expert, {'a grouped GEMM' if grouped else 'one GEMM each'} measured")
+
+    intra, local_ranks, alltoall = UNMEASURED_LINK, {}, 1.0
+    # the ranks' processes take seconds to start on a quiet machine, a minute on a crowded one: they are given at
+    # least 90 s before the measurement is given up (a single-GPU machine starts none)
+    remaining = deadline.left() * SHARES["collectives"]
+    start = time.perf_counter()
+    world = collectives.measure(ranks, timeout=max(90.0, remaining)) if ranks > 1 else None
+    waited = time.perf_counter() - start  # the other processes' time, not this one's
+    if world:
+        ring = [tuple(x) for x in world["all_gather"] + world["all_reduce"]]
+        intra, err = curves.fit_link(ring)
+        if world["all_to_all"]:
+            a2a, _ = curves.fit_link([tuple(x) for x in world["all_to_all"]])
+            alltoall = min(1.0, a2a.bandwidth / intra.bandwidth)
+        flops, tiny = collectives.compute_probe()
+        concurrent = world["concurrent"]
+        local_ranks[str(ranks)] = {
+            "compute": min(f for f, _ in concurrent) / flops,
+            "host": tiny / max(t for _, t in concurrent),
+        }
+        samples["collectives"] = world
+        log(
+            f"calibrate: {ranks} local ranks: {intra.latency * 1e6:.0f} us + {intra.bandwidth / 1e9:.2f} GB/s per "
+            f"collective; each rank at {local_ranks[str(ranks)]['compute']:.2f}x compute, "
+            f"{local_ranks[str(ranks)]['host']:.2f}x host speed of one process"
+        )
+    else:
+        notes.append("collectives not measured (one rank / one GPU): links assumed")
+
+    attention = {}
+    from megagate.distributed import megatron_cpu, parallel
+
+    megatron_cpu.install()
+    with parallel.single_process():
+        for kernel in ("sdpa", "local"):
+            fused = kernel == "sdpa"
+            name_k = "flash" if gpu_run and fused else kernel
+            try:
+                s = measure.attention_samples(kernel, main, deadline.share(SHARES["attention"] / (2 if fused else 1)))
+            except Exception as error:  # a kernel this machine cannot run: the datasheet's curve stays (said)
+                notes.append(f"{kernel} attention not measured: {str(error).splitlines()[0][:200]}")
+                log(f"calibrate: {notes[-1]}")
+                continue
+            scores_bw = cache_bandwidth or bandwidth  # the calibration's score tensors are small
+            attention[name_k], err = curves.fit_attention(s, scores_bw, causal_skip=fused, unfused=not fused)
+            samples[f"attention_{kernel}"] = s
+            log(f"calibrate: {kernel} attention {attention[name_k].rate / 1e9:.1f} GFLOP/s (rms error {err:.0%})")
+        if not attention and not gpu_run:
+            raise RuntimeError("no attention kernel could be measured on this CPU: " + "; ".join(notes))
+        provisional = _profile(name, kind, memory, gpu, gemm, grouped, attention, bandwidth, intra, local_ranks,
+                               alltoall, Host(0, 0, 0, 0, 0, 0, serial=not gpu_run), samples)  # fmt: skip
+        host, host_notes = _framework(provisional, main, deadline)
+        notes += host_notes
+    samples["notes"] = notes
+    samples["load"].append(os.getloadavg()[0])
+    # the share of its threads' time this process got while it measured (1 on a quiet machine; a busy machine's
+    # other work takes the rest): what the measured times include of the load
+    busy = max(1e-9, (deadline.elapsed() - waited) * torch.get_num_threads())
+    samples["cpu_share"] = min(1.0, (time.process_time() - cpu_start) / busy)
+    p = _profile(name, kind, memory, gpu, gemm, grouped, attention, bandwidth, intra, local_ranks, alltoall, host,
+                 samples)  # fmt: skip
+    log(f"calibrate: done in {deadline.elapsed():.0f} s")
+    return p
+
+
+def _framework(provisional: DeviceProfile, precision: str, deadline: Deadline) -> tuple[Host, list[str]]:
+    """The trainer's overheads: measured steps minus the planner's modelled work with the provisional profile."""
+    from megagate.plan import plan
+
+    measured = framework.time_variants(precision, "auto", time.perf_counter() + 0.8 * deadline.left())
+    modelled = {}
+    for name, variant in framework.VARIANTS.items():
+        if name not in measured:
+            continue
+        modelled[name] = {}
+        for m in (1, 2):
+            cfg = framework.config("unused", variant, precision, "auto", micro_batches=m, environment=False)
+            modelled[name][m] = plan(cfg, 1, provisional, gpus_per_node=1).time.total
+    values, notes = framework.solve(measured, modelled)
+    provisional.samples["framework"] = {"measured": measured, "modelled": modelled}
+    return Host(
+        **values, serial=provisional.kind == "cpu", moe_sync=0.0 if provisional.kind == "cpu" else 0.65e-3
+    ), notes
+
+
+def _profile(name, kind, memory, gpu, gemm, grouped, attention, bandwidth, intra, local_ranks, alltoall, host,
+             samples) -> DeviceProfile:  # fmt: skip
+    """The profile; on a GPU of the table, what could not be measured here (the network, the NVLink domain) comes
+    from its datasheet profile."""
+    if gpu is not None:
+        from megagate.plan.devices import gpu_spec
+        from megagate.plan.gpu_defaults import gpu_profile
+
+        base = gpu_profile(gpu_spec(gpu))
+        measured_links = intra is not UNMEASURED_LINK
+        return dataclasses.replace(
+            base,
+            name=name,
+            gemm={**base.gemm, **gemm},
+            grouped_gemm={**base.grouped_gemm, **grouped} if grouped else base.grouped_gemm,
+            attention={**base.attention, **attention, "sdpa": attention.get("flash", base.attention["sdpa"])},
+            memory_bandwidth=bandwidth,
+            intra=intra if measured_links else base.intra,
+            host=host,
+            threads=None,
+            source="megagate calibrate (this GPU; network and NVLink domain from the datasheet)",
+            samples=samples,
+        )
+    return DeviceProfile(
+        name=name,
+        kind=kind,
+        memory_bytes=memory,
+        gemm=gemm,
+        grouped_gemm=grouped,
+        attention=attention,
+        memory_bandwidth=bandwidth,
+        intra=intra,
+        inter=intra,
+        host=host,
+        gpu=None,
+        nvlink_domain=8,
+        alltoall_efficiency=alltoall,
+        threads=samples["threads"],
+        cache_bandwidth=samples["bandwidth"][1],
+        cache_bytes=samples["bandwidth"][2],
+        local_ranks=local_ranks,
+        source="megagate calibrate (this machine)",
+        samples=samples,
+    )

@@ -1,0 +1,139 @@
+"""The trainer's own overheads on this machine: steps of megagate's trainer (megatron's schedule, DDP, the
+distributed optimizer, mock data) on tiny models, where the kernels' work is small next to the framework's.
+
+Variants (1 process): a dense baseline of 1 and 2 layers, a G1-gated and two MoE models (2 and 4 local experts) of 1
+layer; each stepped with 1 and 2 micro-batches. With the modelled device work subtracted (the planner's own
+estimate with the measured curves and no overheads), the step is
+
+    overhead = per_step + L x per_layer_step + M x (per_microbatch + L x (per_layer [+ gate] [+ moe + E x per_expert]))
+
+which the eight timings determine (a negative solve is clamped at 0 and said so).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "dense-1": {"num_layers": 1},
+    "dense-2": {"num_layers": 2},
+    "gate-1": {"num_layers": 1, "gate": "g1-elementwise"},
+    "moe2-1": {"num_layers": 1, "num_experts": 2},
+    "moe4-1": {"num_layers": 1, "num_experts": 4},
+}
+
+
+def config(
+    out_dir: str,
+    variant: dict[str, Any],
+    precision: str,
+    core_attention: str,
+    micro_batches: int = 1,
+    environment: bool = True,
+):
+    """The TrainConfig of a tiny calibration model (mock data, no checkpoints; `environment`: checked against this
+    machine, as the trainer needs)."""
+    from megagate import config_reader
+
+    experts = variant.get("num_experts", 0)
+    model: dict[str, Any] = {
+        "preset": "tiny-moe" if experts else "tiny",
+        "num_layers": variant["num_layers"],
+        "vocab_size": 128,
+        "max_sequence_length": 16,
+        "gate": {"preset": variant.get("gate", "baseline")},
+    }
+    if experts:
+        model.update(num_experts=experts, moe_router_topk=1, moe_router_norm_topk=False)  # top-1: pre-softmax
+    raw = {
+        "model": model,
+        "train": {
+            "micro_batch_size": 1,
+            "global_batch_size": micro_batches,
+            "seq_length": 16,
+            "train_steps": 1_000_000,
+            "precision": precision,
+        },
+        "data": {"mock": True},
+        "checkpoint": {"interval": 0},
+        "logging": {"tensorboard": False},
+        "perf": {"core_attention": core_attention},
+        "output": {"dir": out_dir},
+    }
+    return config_reader.from_dict(raw, environment=environment)
+
+
+def time_variants(precision: str, core_attention: str, until: float, reps: int = 7) -> dict[str, dict[int, float]]:
+    """{variant: {micro-batches: median step seconds}} of the trainer's step (data fetch included, as
+    `megagate train` times it), the variants interleaved so that load changes touch them alike."""
+    from megatron.core import parallel_state
+
+    from megagate.run_setup import resolve
+    from megagate.train import components
+    from megagate.train.trainer import Trainer
+
+    runs: dict[str, tuple[Callable[[int], float]]] = {}
+    with tempfile.TemporaryDirectory() as out:
+        for name, variant in VARIANTS.items():
+            if len(runs) >= 2 and time.perf_counter() > until:
+                break  # out of time: the dense pair is the minimum, the rest are refinements
+            cfg = config(f"{out}/{name}", variant, precision, core_attention)
+            parallel_state.destroy_model_parallel()
+            parts = components.build_components(resolve(cfg, 1))
+            trainer = Trainer(parts, callbacks=[])
+            data = components.loader(cfg, parts.train_data, 0)
+
+            def step(m: int, trainer=trainer, data=data) -> float:
+                start = time.perf_counter()
+                trainer.train_step([next(data) for _ in range(m)], start)
+                return time.perf_counter() - start
+
+            step(1), step(2)  # warm-up: the allocator, autograd's caches
+            runs[name] = (step,)
+        times: dict[str, dict[int, list[float]]] = {n: {1: [], 2: []} for n in runs}
+        for r in range(reps):
+            if r >= 2 and time.perf_counter() > until:
+                break
+            for name, (step,) in runs.items():
+                for m in (1, 2):
+                    times[name][m].append(step(m))
+    return {n: {m: statistics.median(v) for m, v in by_m.items()} for n, by_m in times.items()}
+
+
+def solve(measured: dict[str, dict[int, float]], modelled: dict[str, dict[int, float]]) -> tuple[dict, list[str]]:
+    """The Host fields from the timings minus the modelled device work (see the module docstring): a non-negative
+    least-squares fit (relative errors) of the ten overheads to the seven fields, and notes on what came out 0."""
+    from megagate.plan.curves import nonnegative_least_squares
+
+    names = [
+        "per_step",
+        "per_layer_step",
+        "per_microbatch",
+        "per_layer",
+        "per_layer_gate",
+        "per_layer_moe",
+        "per_expert",
+    ]
+    missing = [n for n in VARIANTS if n not in measured]
+    rows, seconds = [], []
+    for name, by_m in measured.items():
+        v = VARIANTS[name]
+        layers, gate, experts = v["num_layers"], float("gate" in v), v.get("num_experts", 0)
+        for m, t in by_m.items():
+            overhead = t - modelled[name][m]
+            if overhead <= 0:
+                continue  # the model alone exceeds the measurement: no overhead to learn from this timing
+            rows.append([1, layers, m, m * layers, m * layers * gate, m * layers * bool(experts), m * layers * experts])
+            seconds.append(overhead)
+    if not rows:  # the modelled work alone exceeds every timing (a machine too busy to measure): no overheads
+        return dict.fromkeys(names, 0.0), ["host overheads not measured: the modelled work exceeds every timing"]
+    coef, _ = nonnegative_least_squares(rows, seconds)
+    values = dict(zip(names, coef))
+    notes = [f"host {k} fitted as 0 (noise, or nothing to measure)" for k, v in values.items() if v == 0]
+    if missing:
+        notes.append(f"out of time before the {', '.join(missing)} variants: their overheads are 0")
+    return values, notes

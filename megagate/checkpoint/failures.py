@@ -1,0 +1,71 @@
+"""Why a checkpoint write or read failed, in one line: the operating-system error behind an exception, and the rank
+it happened on (this one, or the one a torch DCP CheckpointException names: DCP raises on every rank when one
+failed, with the failures gathered by rank)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megagate.distributed.utils import get_rank
+
+# what a failed save or load raises: torch DCP's CheckpointException derives from BaseException, not Exception
+FAILURES = (Exception, CheckpointException)
+
+
+def os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError behind an exception (its cause/context chain, or a torch DCP CheckpointException's failures)."""
+    found = failing_rank_error(exc)
+    return None if found is None else found[1]
+
+
+def failing_rank_error(exc: BaseException) -> tuple[int, OSError] | None:
+    """(the rank it happened on, the OSError) behind an exception: this rank's own, or one of the failures a torch
+    DCP CheckpointException gathered from the ranks ({rank: (exception, traceback)})."""
+    seen = set()
+    todo: list[tuple[int, BaseException]] = [(get_rank(), exc)]
+    while todo:
+        rank, e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return rank, e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for r, f in failures.items():
+                f = f[0] if isinstance(f, tuple) and f else f
+                if isinstance(f, BaseException):
+                    todo.append((int(r), f))
+        todo.extend((rank, x) for x in (e.__cause__, e.__context__) if x is not None)
+    return None
+
+
+def host() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def write_error(exc: BaseException) -> str:
+    """One line for a failed write: the OS error behind it, naming the rank (and its host when it is this one), or,
+    when the failure was another rank's and says no more (megatron raises on every rank), a generic line that the
+    failing rank's own replaces."""
+    failed = failing_rank_error(exc)
+    if failed is not None:
+        rank, cause = failed
+        return (
+            f"rank {rank} ({host()}): {os_message(cause)}"
+            if rank == get_rank()
+            else f"rank {rank}: {os_message(cause)}"
+        )
+    if isinstance(exc, CheckpointException):
+        return "a write failed on another rank"
+    raise exc
+
+
+def os_message(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, "")
+    text = exc.strerror or str(exc)
+    return f"{text} ({name})" if name else text

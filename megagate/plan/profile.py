@@ -1,0 +1,351 @@
+"""Device profiles: what a device *achieves*, as the step-time model needs it (docs/planning.md, "Device profiles").
+
+A `DeviceProfile` holds, for one device: GEMM curves by precision, a grouped-GEMM curve (all local experts in one
+call), attention curves by kernel, the memory bandwidth that memory-bound work gets, collective latency and bandwidth
+inside and between NVLink domains, and the host's framework overheads (per step, per micro-batch, per layer, per
+local expert). `megagate calibrate` measures them on the machine it runs on and writes one as JSON (`save`);
+`megagate plan --profile FILE` reads it back (`load`, which refuses a bad file in one line). Without a file, a GPU's
+profile is built from the datasheet (megagate.plan.devices) and the constants fitted against published Megatron runs
+(megagate.plan.gpu_defaults).
+
+A GEMM of an [m, k] x [k, n] product takes `latency + 2mnk / (rate * s(m) s(n) s(k))` seconds with
+`s(x) = x / (x + half)`: large GEMMs run at `rate`; a small dimension slows it down smoothly (a GEMM with few rows
+reads its whole weight for little work, so its time tends to the weight's bytes over the bandwidth, the roofline's
+memory-bound side). Pure data and arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from megagate.errors import ConfigError
+
+SCHEMA = 1
+KINDS = ("gpu", "cpu")
+PRECISIONS = ("fp32", "bf16", "fp8")
+ATTENTION_KERNELS = ("flash", "sdpa", "local")  # flash: TE / cuDNN / flash-attn; sdpa: torch's SDPA on this device
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Seconds of a GEMM-like call of 2mnk FLOPs (see the module docstring)."""
+
+    rate: float  # FLOP/s of a large call
+    half: float  # a dimension of this size halves the speed (in that dimension)
+    latency: float  # seconds per call (launch / dispatch)
+
+    def speed(self, m: float, n: float, k: float) -> float:
+        """FLOP/s of an [m, k] x [k, n] product."""
+        s = 1.0
+        for x in (m, n, k):
+            s *= x / (x + self.half)
+        return self.rate * s
+
+    def seconds(self, m: float, n: float, k: float, calls: int = 1) -> float:
+        """`calls` GEMMs of shape [m, k] x [k, n] (0 when a dimension is empty)."""
+        if m <= 0 or n <= 0 or k <= 0 or calls <= 0:
+            return 0.0
+        return calls * (self.latency + 2.0 * m * n * k / self.speed(m, n, k))
+
+
+@dataclass(frozen=True)
+class AttentionCurve:
+    """Core attention of one kernel: `latency + flops / rate (+ score bytes / bandwidth for an unfused kernel)`.
+
+    FLOPs are 4·b·np·sq·sk·d forward (QK^T and AV), halved under a causal mask when the kernel skips the masked
+    blocks (`causal_skip`: flash kernels do, megatron's unfused attention computes every score); backward costs
+    `backward` times the forward's FLOPs. An unfused kernel also writes and reads the [b, np, sq, sk] scores:
+    `score_bytes` bytes per score element forward (mask, softmax, probabilities), twice that backward.
+    """
+
+    rate: float
+    latency: float
+    backward: float = 2.5
+    causal_skip: bool = True
+    score_bytes: float = 0.0
+
+    def flops(self, b: int, heads: int, sq: int, sk: int, d: int, causal: bool) -> float:
+        return 4.0 * b * heads * sq * sk * d * (0.5 if causal and self.causal_skip else 1.0)
+
+    def seconds(self, b: int, heads: int, sq: int, sk: int, d: int, causal: bool, bandwidth: float) -> tuple:
+        """(forward, backward) seconds."""
+        f = self.flops(b, heads, sq, sk, d, causal) / self.rate
+        scores = self.score_bytes * b * heads * sq * sk / bandwidth
+        return self.latency + f + scores, self.latency + self.backward * f + 2 * scores
+
+
+@dataclass(frozen=True)
+class Link:
+    """A collective over one kind of link: `latency + bytes moved per rank / bandwidth`."""
+
+    latency: float  # seconds per collective call
+    bandwidth: float  # bytes/s per rank per direction, as collectives achieve it
+
+    def seconds(self, bytes_per_rank: float) -> float:
+        return 0.0 if bytes_per_rank <= 0 else self.latency + bytes_per_rank / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Host:
+    """Framework overheads of the host (Python, megatron, the dispatcher, kernel launches), in seconds.
+
+    On a GPU the host queues kernels ahead of the device (`serial` False): a layer takes the longer of its device
+    work and its host work, and `moe_sync` is the stall of each dropless MoE layer pass (the host reads the token
+    counts per expert before it can size the grouped GEMM). On a CPU both run on the same cores (`serial` True): the
+    overheads add to the work.
+    """
+
+    per_step: float  # the optimizer step, gradient norm, zeroing, the schedule's set-up
+    per_microbatch: float  # the schedule's work per model chunk and micro-batch (forward+backward): forward_step,
+    # the loss, data loading, the pipeline hand-over
+    per_layer: float  # one transformer layer, forward + backward, per micro-batch (attention + dense MLP)
+    per_layer_gate: float  # what an attention-output gate adds to a layer
+    per_layer_moe: float  # what a MoE block adds to a layer over a dense MLP (router, dispatcher)
+    per_expert: float  # per local expert and layer, when experts run one by one (megatron's SequentialMLP)
+    per_layer_step: float = 0.0  # per layer and step (the optimizer's per-tensor work)
+    moe_sync: float = 0.0
+    serial: bool = False
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What one device achieves (see the module docstring)."""
+
+    name: str
+    kind: str  # "gpu" | "cpu"
+    memory_bytes: int
+    gemm: dict[str, Curve]  # by precision
+    # by precision; its latency is per expert (a grouped GEMM still pays per group); empty: no grouped kernel
+    grouped_gemm: dict[str, Curve]
+    attention: dict[str, AttentionCurve]  # by kernel
+    memory_bandwidth: float  # bytes/s of memory-bound kernels on tensors larger than the cache
+    intra: Link  # inside an NVLink domain (a node of the local ranks, on CPU)
+    inter: Link  # between domains
+    host: Host
+    gpu: str | None = None  # the GPU table's name (megagate.plan.devices), if any
+    nvlink_domain: int = 8
+    alltoall_efficiency: float = 1.0  # all-to-all inside a domain: bandwidth as a share of the ring collectives'
+    overlap_efficiency: float = 1.0  # the share of a compute window that hides communication run alongside it
+    cache_bandwidth: float | None = None  # bytes/s on tensors of at most `cache_bytes` (a CPU's caches)
+    cache_bytes: int = 0
+    threads: int | None = None  # CPU: the threads per process the curves were measured with
+    # CPU: per-rank slow-down when this many ranks share the machine, {"2": {"compute": f, "host": g}}
+    local_ranks: dict[str, dict[str, float]] = field(default_factory=dict)
+    source: str = ""
+    samples: dict[str, Any] = field(default_factory=dict)  # the raw measurements behind the curves
+
+    def bandwidth(self, tensor_bytes: float) -> float:
+        """Bytes/s of memory-bound kernels whose tensors are `tensor_bytes` each (cache-resident ones faster)."""
+        if self.cache_bandwidth and tensor_bytes <= self.cache_bytes:
+            return self.cache_bandwidth
+        return self.memory_bandwidth
+
+    def curve(self, precision: str) -> Curve:
+        """The GEMM curve of a precision (fp8 falls back to bf16 where none was measured, fp32 to bf16 at half)."""
+        if precision in self.gemm:
+            return self.gemm[precision]
+        if precision == "fp8" and "bf16" in self.gemm:
+            return self.gemm["bf16"]
+        if precision == "fp32" and "bf16" in self.gemm:
+            c = self.gemm["bf16"]
+            return dataclasses.replace(c, rate=c.rate / 2)
+        return next(iter(self.gemm.values()))
+
+    def grouped_curve(self, precision: str) -> Curve | None:
+        """The grouped-GEMM curve of a precision (None: no grouped kernel measured or known)."""
+        if not self.grouped_gemm:
+            return None
+        return (
+            self.grouped_gemm.get(precision) or self.grouped_gemm.get("bf16") or next(iter(self.grouped_gemm.values()))
+        )
+
+    def attention_curve(self, kernel: str) -> AttentionCurve:
+        if kernel in self.attention:
+            return self.attention[kernel]
+        return self.attention.get("flash") or self.attention.get("sdpa") or next(iter(self.attention.values()))
+
+    def scaled_for_ranks(self, ranks: int) -> DeviceProfile:
+        """This CPU profile for `ranks` processes on one machine: each rank's rates times the measured compute share,
+        its latencies and overheads over the host share (unchanged on a GPU, where every rank has its own device,
+        or when nothing was measured for that many)."""
+        factors = self.local_ranks.get(str(ranks)) if self.kind == "cpu" and ranks > 1 else None
+        if not factors:
+            return self
+        compute, host = factors["compute"], factors["host"]
+        h = self.host
+
+        def curve(c: Curve) -> Curve:  # the rate is compute, the per-call latency is the host's dispatch
+            return dataclasses.replace(c, rate=c.rate * compute, latency=c.latency / host)
+
+        return dataclasses.replace(
+            self,
+            gemm={k: curve(c) for k, c in self.gemm.items()},
+            grouped_gemm={k: curve(c) for k, c in self.grouped_gemm.items()},
+            attention={
+                k: dataclasses.replace(a, rate=a.rate * compute, latency=a.latency / host)
+                for k, a in self.attention.items()
+            },
+            memory_bandwidth=self.memory_bandwidth * compute,
+            cache_bandwidth=None if self.cache_bandwidth is None else self.cache_bandwidth * compute,
+            host=dataclasses.replace(
+                h,
+                **{
+                    f.name: getattr(h, f.name) / host
+                    for f in dataclasses.fields(h)
+                    if f.name not in ("serial", "moe_sync")
+                },
+            ),
+        )
+
+
+# --- JSON ------------------------------------------------------------------------------------------------------
+def to_dict(p: DeviceProfile) -> dict[str, Any]:
+    """The profile as JSON-ready data (`load` reads it back)."""
+    return {"schema": SCHEMA, **dataclasses.asdict(p)}
+
+
+def save(p: DeviceProfile, path: str) -> None:
+    """Write the profile to `path` atomically (a temporary name in the same folder, then a rename)."""
+    from megagate.files import write_atomic
+
+    write_atomic(path, json.dumps(to_dict(p), indent=1, sort_keys=True, allow_nan=False) + "\n")
+
+
+def load(path: str) -> DeviceProfile:
+    """The profile in `path`, or a one-line ConfigError naming the file and what is wrong with it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"--profile {path!r}: no such file (write one with `megagate calibrate --out FILE`)"
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError(f"--profile {path!r} is a folder, not a profile file") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--profile {path!r} is not a JSON device profile ({str(e).splitlines()[0]})") from None
+    except OSError as e:
+        raise ConfigError(f"--profile {path!r}: {e.strerror or e}") from None
+    try:
+        return from_dict(data)
+    except ConfigError as e:
+        raise ConfigError(f"--profile {path!r}: {e}") from None
+
+
+def from_dict(data: Any) -> DeviceProfile:
+    """A profile from `to_dict`'s data, every field checked (a ConfigError names the first bad one)."""
+    if not isinstance(data, dict):
+        raise ConfigError("a device profile is a JSON object")
+    if data.get("schema") != SCHEMA:
+        raise ConfigError(f"schema {data.get('schema')!r} is not {SCHEMA} (re-run megagate calibrate)")
+    kind = _get(data, "kind", str)
+    if kind not in KINDS:
+        raise ConfigError(f"kind={kind!r} is not one of {', '.join(KINDS)}")
+    gemm = {k: _curve(v, f"gemm.{k}") for k, v in _get(data, "gemm", dict).items()}
+    if not gemm or set(gemm) - set(PRECISIONS):
+        raise ConfigError(f"gemm must have curves for some of {', '.join(PRECISIONS)} (has {sorted(gemm)})")
+    attention = {k: _attention(v, f"attention.{k}") for k, v in _get(data, "attention", dict).items()}
+    if not attention or set(attention) - set(ATTENTION_KERNELS):
+        raise ConfigError(f"attention must have curves for some of {', '.join(ATTENTION_KERNELS)}")
+    grouped = data.get("grouped_gemm") or {}
+    if not isinstance(grouped, dict) or set(grouped) - set(PRECISIONS):
+        raise ConfigError(f"grouped_gemm must map some of {', '.join(PRECISIONS)} to curves")
+    host = _get(data, "host", dict)
+    host_fields = {f.name for f in dataclasses.fields(Host)}
+    if set(host) - host_fields:
+        raise ConfigError(f"host.{sorted(set(host) - host_fields)[0]} is not a host overhead")
+    host_values = {
+        name: (_get(host, name, bool, "host.") if name == "serial" else _number(host, name, "host.", zero=True))
+        for name in host_fields
+        if name in host or name in ("per_step", "per_microbatch", "per_layer", "per_layer_gate", "per_layer_moe")
+    }
+    if "per_expert" not in host_values:
+        host_values["per_expert"] = 0.0
+    ranks = data.get("local_ranks") or {}
+    if not isinstance(ranks, dict) or not all(
+        isinstance(v, dict) and {"compute", "host"} <= set(v) and all(_positive(v[x]) for x in ("compute", "host"))
+        for v in ranks.values()
+    ):
+        raise ConfigError('local_ranks must map a rank count to {"compute": factor, "host": factor} (positive)')
+    threads = data.get("threads")
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise ConfigError(f"threads={threads!r} must be a positive integer (or null)")
+    return DeviceProfile(
+        name=_get(data, "name", str),
+        kind=kind,
+        memory_bytes=int(_number(data, "memory_bytes")),
+        gemm=gemm,
+        grouped_gemm={k: _curve(v, f"grouped_gemm.{k}") for k, v in grouped.items()},
+        attention=attention,
+        memory_bandwidth=_number(data, "memory_bandwidth"),
+        intra=_link(_get(data, "intra", dict), "intra"),
+        inter=_link(_get(data, "inter", dict), "inter"),
+        host=Host(**host_values),
+        gpu=data.get("gpu") if isinstance(data.get("gpu"), str) else None,
+        nvlink_domain=int(_number(data, "nvlink_domain")) if "nvlink_domain" in data else 8,
+        alltoall_efficiency=_number(data, "alltoall_efficiency") if "alltoall_efficiency" in data else 1.0,
+        overlap_efficiency=_number(data, "overlap_efficiency") if "overlap_efficiency" in data else 1.0,
+        cache_bandwidth=_number(data, "cache_bandwidth") if data.get("cache_bandwidth") is not None else None,
+        cache_bytes=int(_number(data, "cache_bytes", zero=True)) if "cache_bytes" in data else 0,
+        threads=threads,
+        local_ranks={str(k): {"compute": float(v["compute"]), "host": float(v["host"])} for k, v in ranks.items()},
+        source=str(data.get("source", "")),
+        samples=data.get("samples") if isinstance(data.get("samples"), dict) else {},
+    )
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _get(data: dict, key: str, kind: type, prefix: str = "") -> Any:
+    if key not in data:
+        raise ConfigError(f"{prefix}{key} is missing")
+    value = data[key]
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ConfigError(f"{prefix}{key}={value!r} must be a {kind.__name__}")
+    return value
+
+
+def _number(data: dict, key: str, prefix: str = "", zero: bool = False) -> float:
+    value = data.get(key)
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value >= 0 if zero else value > 0)
+    )
+    if not ok:
+        need = "a finite number >= 0" if zero else "a positive finite number"
+        raise ConfigError(f"{prefix}{key}={value!r} must be {need}")
+    return float(value)
+
+
+def _curve(data: Any, where: str) -> Curve:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be an object with rate, half, latency")
+    return Curve(
+        _number(data, "rate", where + "."),
+        _number(data, "half", where + ".", zero=True),
+        _number(data, "latency", where + ".", zero=True),
+    )
+
+
+def _attention(data: Any, where: str) -> AttentionCurve:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be an object with rate, latency, backward")
+    return AttentionCurve(
+        _number(data, "rate", where + "."),
+        _number(data, "latency", where + ".", zero=True),
+        _number(data, "backward", where + ".") if "backward" in data else 2.5,
+        _get(data, "causal_skip", bool, where + ".") if "causal_skip" in data else True,
+        _number(data, "score_bytes", where + ".", zero=True) if "score_bytes" in data else 0.0,
+    )
+
+
+def _link(data: dict, where: str) -> Link:
+    return Link(_number(data, "latency", where + ".", zero=True), _number(data, "bandwidth", where + "."))

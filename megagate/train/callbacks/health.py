@@ -1,0 +1,50 @@
+"""Cluster health in the trainer: the straggler report (the hang watchdog and one-rank failures run beside the
+trainer, megagate.health.watchdog).
+
+StragglerReport  every `straggler.interval` steps the logging rank reads every rank's progress record (the watchdog's
+                 side channel: files, no collective) and compares each rank's compute time per step with the median
+                 of the other ranks of its pipeline stage (megagate.health.straggler); a rank slower by more than
+                 `straggler.margin` in `straggler.windows` consecutive windows is reported: a console line, the
+                 TensorBoard scalars straggler/* and a `straggler` record in health.jsonl (`megagate report` lists
+                 them). Needs the watchdog's records (`watchdog.enabled`).
+"""
+
+from __future__ import annotations
+
+from megagate.console import log
+from megagate.health import channel, watchdog
+from megagate.health.config import StragglerConfig
+from megagate.health.straggler import StragglerDetector
+from megagate.train.callbacks.base import Callback, StepOutput, TrainerView
+from megagate.train.callbacks.metrics import MetricsLogger
+
+
+class StragglerReport(Callback):
+    """After MetricsLogger (90: its TensorBoard writer exists at on_start); reads files only, so its place among
+    the step's other callbacks does not matter."""
+
+    priority = 55
+
+    def __init__(self, cfg: StragglerConfig) -> None:
+        self.cfg = cfg
+        self.detector = StragglerDetector(cfg.margin, cfg.windows)
+        self.writer = None
+
+    def on_start(self, trainer: TrainerView) -> None:
+        logger = trainer.callback(MetricsLogger)
+        self.writer = None if logger is None else logger.writer
+
+    def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
+        dog = watchdog.current()
+        if dog is None or not trainer.logging_rank or output.step % self.cfg.interval:
+            return
+        summary = self.detector.observe(dog.channel.records())
+        slowest = summary.slowest
+        if self.writer is not None and slowest is not None:
+            self.writer.add_scalar("straggler/max_compute_ratio", slowest[1], output.step)
+            self.writer.add_scalar("straggler/slowest_rank", slowest[0], output.step)
+        for report in summary.reports:
+            log(report.line())
+            channel.append_event(trainer.cfg.output.dir, report.to_dict())
+            if self.writer is not None:
+                self.writer.add_text("straggler/reports", report.line(), output.step)

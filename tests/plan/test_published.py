@@ -1,0 +1,81 @@
+"""The planner against published Megatron runs (megagate/plan/published_runs.yaml): the data and its sources, the
+error on the held-out runs with the shipped constants, and NVIDIA's layout against the planner's best."""
+
+from __future__ import annotations
+
+import pytest
+
+from megagate.plan import published as P
+from megagate.plan.devices import GPUS
+from megagate.yamlfile import load_mapping
+
+# MoE configurations whose NVIDIA layout the planner predicts more than 10 % slower than its best layout, with the
+# ratio it gives (docs/planning.md explains each): cross-node expert parallelism on H100, which NVIDIA measured
+# faster than the layouts that keep EP inside a node, and a GB200 layout the planner ranks below EP 64 in NVL72.
+KNOWN_LAYOUT_GAPS = {
+    "bridge-26.04.01-qwen3-235b-h100-fp8": 1.25,
+    "modelzoo-qwen3-235b-h100-bf16-ep32": 1.20,
+    "modelzoo-qwen3-235b-gb200-bf16": 1.20,
+}
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[P.Run]:
+    return P.load_runs()
+
+
+def test_the_data_and_its_sources(runs) -> None:
+    data = load_mapping(P.DATA)
+    assert len(runs) >= 12 and len({r.id for r in runs}) == len(runs)
+    for e in data["runs"]:
+        source = data["sources"][e["source"]]
+        assert source["url"].startswith("https://") and e.get("row"), e["id"]
+        if source["repo"]:
+            assert len(source["commit"]) == 40 and source["path"], e["id"]
+        given = [k for k in ("tokens_per_s_per_gpu", "step_s", "tflops_per_gpu") if k in e]
+        assert given, e["id"]  # a published figure, copied with its row
+        assert e["use"] in ("fit", "held-out") and e["gpu"] in GPUS
+    kinds = {(r.moe, r.gpu.startswith("h100"), r.workload.precision) for r in runs}
+    assert {m for m, _, _ in kinds} == {True, False}  # dense and MoE
+    assert {h for _, h, _ in kinds} == {True, False}  # H100 and B200/GB200
+    assert {p for _, _, p in kinds} == {"bf16", "fp8"}
+    assert sum(r.use == "held-out" for r in runs) >= 10
+
+
+def test_megatron_flop_count_is_the_one_nvidia_divides_by(runs) -> None:
+    """Where a row gives both tokens/s and TFLOP/s, their ratio is the FLOPs per token NVIDIA counted: the formula
+    that converts the TFLOP/s-only rows must give it (within the rows' rounding; NeMo 2.0's own counter, for the
+    Mixtral row, counts 4 % more)."""
+    checked = 0
+    for r in runs:
+        e = r.entry
+        if "tokens_per_s_per_gpu" in e and "tflops_per_gpu" in e:
+            counted = e["tflops_per_gpu"] * 1e12 / e["tokens_per_s_per_gpu"]
+            tolerance = 0.05 if e["source"] == "nemo-25.04" else 0.03
+            assert P.megatron_flops_per_token(r.workload.model, r.workload.seq) == pytest.approx(counted, rel=tolerance)
+            checked += 1
+    assert checked >= 10
+
+
+def test_held_out_error(runs) -> None:
+    """With the shipped constants (fitted on the `fit` runs only): median |error| <= 15 %, none worse than 35 %,
+    on the held-out runs."""
+    errs = P.errors(runs)
+    held = P.summary(errs, runs)["held-out"]
+    assert held["median"] <= 0.15, held
+    assert held["worst"] <= 0.35, {k: v for k, v in errs.items() if abs(v) > 0.35}
+
+
+@pytest.mark.slow
+def test_nvidia_layouts_against_the_planners_best(runs) -> None:
+    """For each MoE configuration, the planner's step time of NVIDIA's layout over the fastest layout it finds for
+    the same model, GPUs, batch and precision (memory-checked): within 10 %, except the gaps documented above."""
+    ratios = {}
+    for r in P.layout_check_runs(runs):
+        _, best, fitting = P.best_layout(r)
+        assert fitting > 10
+        ratios[r.id] = P.predict(r).total / best
+    assert len(ratios) >= 8
+    for rid, ratio in ratios.items():
+        assert ratio <= KNOWN_LAYOUT_GAPS.get(rid, 1.10), (rid, ratio)
+    assert sum(ratio <= 1.10 for ratio in ratios.values()) >= len(ratios) - len(KNOWN_LAYOUT_GAPS)

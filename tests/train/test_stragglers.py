@@ -1,0 +1,70 @@
+"""A slow rank (an injected `slow_rank`: 1.5x the compute time) is reported within the configured window, with its
+rank and host, on the console, in TensorBoard, in health.jsonl and by `megagate report`.
+
+The other multi-process runs of the suite (tests/helpers/tiny_runs.run_train with nproc > 1, the torchrun and Slurm
+runs of tests/helpers/trainer_runs, the hang tests' references) run with the same small window (`STRAGGLER`) and
+check that they reported no straggler.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import fault_runs as F
+from helpers import tiny_runs as T
+from megagate.health import watchdog
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+INTERVAL, WINDOWS = 4, 2
+
+
+def test_a_slow_rank_is_reported_within_the_window(tmp_path, session_demo_dir, capsys):
+    out = tmp_path / "run"
+    launch = F.torchrun(
+        out,
+        session_demo_dir,
+        2,
+        "train.train_steps=24",
+        # a step that computes long enough (~0.2 s) for a 1.5x slowdown to stand out of the scheduling noise of a
+        # loaded machine
+        "train.seq_length=128",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=16",
+        "logging.tensorboard=true",
+        f"straggler.interval={INTERVAL}",
+        f"straggler.windows={WINDOWS}",
+        "monitor.faults=[{step: 1, kind: slow_rank, rank: 1, factor: 1.5}]",
+    )
+    assert launch.rc == 0, launch.log[-3000:]
+    reports = F.events(out, "straggler")
+    host = watchdog.host_name()
+    assert reports and {(r["rank"], r["host"]) for r in reports} == {(1, host)}, reports  # rank 0 never
+    first = reports[0]
+    # reported after WINDOWS slow windows of INTERVAL steps (a window ends at the last step every rank's record holds:
+    # one window of slack for records written a heartbeat apart)
+    assert first["step"] <= INTERVAL * (WINDOWS + 1), reports
+    assert 1.25 < first["ratio"] < 2.5 and first["windows"] == WINDOWS, first
+    assert first["others_wait_s"] > first["wait_s"]  # the other rank waits for it in the gradient reduction
+    assert f"straggler: rank 1 ({host}) computes {first['ratio']:.2f}x as long as the other ranks" in launch.log
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(out / "tensorboard"))
+    tb.Reload()
+    ratios = tb.Scalars("straggler/max_compute_ratio")
+    assert ratios and max(e.value for e in ratios) > 1.25
+    assert {e.value for e in tb.Scalars("straggler/slowest_rank") if e.step >= first["step"]} == {1.0}
+
+    from megagate import cli
+
+    assert cli.main(["report", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "cluster health" in text and f"rank 1 ({host}) computes" in text and "injected slow_rank" not in text
+
+
+def test_losses_unchanged_by_the_straggler_report(tmp_path, session_demo_dir):
+    """The report reads files on the logging rank only: a run with it on has the losses of a run with it off."""
+    on = T.run_train(tmp_path / "on", session_demo_dir, *T.STRAGGLER, nproc=2)
+    off = T.run_train(tmp_path / "off", session_demo_dir, "straggler.enabled=false", "watchdog.enabled=false", nproc=2)
+    assert on.returncode == off.returncode == 0
+    assert T.losses(tmp_path / "on") == T.losses(tmp_path / "off")
