@@ -62,11 +62,8 @@ def acceptance(tmp: Path, *args: str, env: dict | None = None, shell: bool = Fal
     out, work, marker = tmp / "out", tmp / "work", uuid.uuid4().hex
     env = {**os.environ, "OMP_NUM_THREADS": "1", MARK: marker, **(env or {})}
     # generous caps and budget: this checks the plumbing, on a shared CI machine whose load varies (a test's own
-    # --cap and --budget come later and win); but calibrate's own smoke cap: it measures for as long as its share
-    # allows (`megagate calibrate --budget-s`), so a bigger cap only makes it longer (4-5 minutes of a loaded
-    # machine at 600 s), and its status is not what these tests check (tests/plan/test_calibrate.py checks it)
-    smoke_cap = {p.name: p.smoke_cap_s for p in P.PARTS}["calibrate"]
-    caps = [x for name in P.NAMES for x in ("--cap", f"{name}={smoke_cap if name == 'calibrate' else 600:g}")]
+    # --cap and --budget come later and win)
+    caps = [x for name in P.NAMES for x in ("--cap", f"{name}=600")]
     options = ["--work", str(work), *(["--smoke"] if smoke else []), "--budget", "1800", *caps, *args]
     if shell:
         cmd = ["bash", "tools/gpu_acceptance.sh", str(out), *options]
