@@ -35,7 +35,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "megagate" / "__main__.py")  # sys.argv[0] of `python -m megagate`
-# Imported by the server before it forks anyone (order matters: torch before megatron before megagate).
+# Imported by the server before it forks anyone (a missing import is an error: _check_preloaded).
 PRELOAD = ["helpers.forked_preload"]
 # what a launcher sets: never inherited from the test process, set per rank by run_cli
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -68,6 +68,29 @@ def _ensure_server() -> None:
             with _plain_environment():
                 forkserver.ensure_running()
             _started = True
+    if not _checked:
+        _check_preloaded()
+
+
+_checked = False
+
+
+def _preloaded() -> int:
+    """In a child: 0 if the server imported PRELOAD (multiprocessing ignores a preload's ImportError, and every
+    child would then import torch and megatron itself), else the import's traceback and 1."""
+    if all(name in sys.modules for name in PRELOAD):
+        return 0
+    for name in PRELOAD:
+        __import__(name)  # raises: the reason the server could not
+    return 1
+
+
+def _check_preloaded() -> None:
+    global _checked
+    _checked = True
+    proc = run(_preloaded, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"helpers.forked: the server could not import {PRELOAD}:\n{proc.stderr[-3000:]}")
 
 
 def server_pid() -> int | None:
