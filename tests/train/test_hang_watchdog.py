@@ -44,7 +44,7 @@ def references(tmp_path_factory, session_demo_dir) -> dict[int, Path]:
     out = {}
     for nproc in HANGS:
         path = tmp_path_factory.mktemp(f"hang-reference-{nproc}")
-        T.run_train(path, session_demo_dir, *INTERVAL, *F.WATCHDOG, nproc=nproc)
+        T.run_train(path, session_demo_dir, *INTERVAL, *F.WATCHDOG, nproc=nproc, timeout=900)
         out[nproc] = path
     return out
 
