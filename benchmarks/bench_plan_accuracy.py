@@ -92,6 +92,20 @@ def environment(threads: int) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
+class Failed(RuntimeError):
+    """A calibration or training subprocess that exited non-zero (the message ends with its stderr's tail)."""
+
+
+def run_quietly(cmd: list[str], threads: int) -> None:
+    """Run `cmd` with its output kept back; on failure raise `Failed` with the last lines of its stderr."""
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=environment(threads), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    if proc.returncode != 0:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        raise Failed(f"{' '.join(cmd[1:4])} ... exited {proc.returncode}: {tail}")
+
+
 def children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -109,9 +123,7 @@ def train(name: str, steps: int, warmup: int, work: str, threads: int) -> tuple[
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                "-m", "megagate", "train", "--config", config, *over]  # fmt: skip
     cpu, start = children_cpu(), time.perf_counter()
-    subprocess.run(
-        cmd, check=True, cwd=REPO, env=environment(threads), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    run_quietly(cmd, threads)
     share = (children_cpu() - cpu) / ((time.perf_counter() - start) * ranks * threads)
     times = []
     with open(f"{out}/metrics.jsonl", encoding="utf-8") as f:
@@ -149,14 +161,21 @@ def main() -> int:
         for r in range(args.rounds):
             profile = f"{work}/profile-{r}.json"
             start = time.perf_counter()
-            subprocess.run(
-                [sys.executable, "-m", "megagate", "calibrate", "--out", profile, "--budget-s", str(args.budget_s)],
-                check=True,
-                cwd=REPO,
-                env=environment(args.threads),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+            try:
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "megagate",
+                    "calibrate",
+                    "--out",
+                    profile,
+                    "--budget-s",
+                    str(args.budget_s),
+                ]
+                run_quietly(cmd, args.threads)
+            except Failed as e:  # a round without a profile is said and skipped; the other rounds still count
+                print(f"round {r + 1}: calibration failed, round skipped: {e}")
+                continue
             with open(profile, encoding="utf-8") as f:
                 calibrated_share = json.load(f)["samples"]["cpu_share"]
             print(
@@ -165,7 +184,11 @@ def main() -> int:
             )
             order = args.configs[r % len(args.configs) :] + args.configs[: r % len(args.configs)]
             for name in order:
-                measured, share = train(name, args.steps, args.warmup, work, args.threads)
+                try:
+                    measured, share = train(name, args.steps, args.warmup, work, args.threads)
+                except Failed as e:
+                    print(f"  {name:26s} training failed, left out of this round: {e}")
+                    continue
                 predicted = predict(name, profile, args.steps)
                 # load-normalised: each figure times the share of its threads' time its process got
                 normalised = predicted * calibrated_share / (measured * share) - 1
@@ -179,6 +202,9 @@ def main() -> int:
     )
     within = normal_within = 0
     for name, values in rows.items():
+        if not values:
+            print(f"{name:26s} {'not measured':>13s}")
+            continue
         p = statistics.median(v[0] for v in values)
         m = statistics.median(v[1] for v in values)
         n = statistics.median(v[2] for v in values)

@@ -12,6 +12,7 @@ import torch
 
 from megagate.calibrate import collectives, framework, measure
 from megagate.calibrate.timing import Deadline
+from megagate.errors import MegagateError
 from megagate.plan import curves
 from megagate.plan.profile import DeviceProfile, Host, Link
 
@@ -65,7 +66,14 @@ def calibrate(budget_s: float = 110.0, ranks: int = 2, log: Callable[[str], None
     gemm = {}
     for i, dt in enumerate(dtypes):
         s = measure.gemm_samples(dt, deadline.share(SHARES["gemm"] / (len(dtypes) - i)))
-        gemm[dt], err = curves.fit_gemm(s)
+        try:
+            gemm[dt], err = curves.fit_gemm(s)
+        except ValueError:  # the timings do not grow with the work: noise (a busy machine) or too few shapes
+            raise MegagateError(
+                f"calibrate: the {dt} GEMM timings of {len(s)} shapes do not grow with their work, so no rate can "
+                f"be fitted (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores); run it again with a "
+                "larger --budget-s or on a quieter machine"
+            ) from None
         samples[f"gemm_{dt}"] = s
         log(
             f"calibrate: {dt} GEMMs up to {gemm[dt].rate / 1e9:.1f} GFLOP/s, half speed at {gemm[dt].half:.0f}, "

@@ -89,3 +89,27 @@ def test_train_dry_run_prints_the_plan(capsys) -> None:
     assert cli.main(["train", "--config", CONFIG, "--dry-run", "--world-size", "64", "--gpu", "h200"]) == 0
     out = capsys.readouterr().out
     assert "parameters:" in out and "memory plan:" in out and "device: h200, 141 GB" in out
+
+
+def test_plan_refusals_are_one_line_exit_2(capsys, tmp_path) -> None:
+    """The issue's refusals through the command: a bad profile file (unreadable JSON, missing, a wrong field), an
+    unknown GPU, a layout that does not divide the world. Each: exit 2, one line naming the bad value, no stdout."""
+    from megagate import cli
+
+    garbled = tmp_path / "garbled.json"
+    garbled.write_text("{not json")
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text('{"schema": 0}')
+    base = ["plan", CONFIG, "--nodes", "1"]
+    cases = [
+        ([*base, "--profile", str(garbled)], str(garbled)),
+        ([*base, "--profile", str(tmp_path / "absent.json")], "absent.json"),
+        ([*base, "--profile", str(wrong)], "schema 0"),
+        ([*base, "--gpu", "h1000"], "h1000"),
+        ([*base, "parallel.tensor_model_parallel_size=3"], "tensor_model_parallel_size (3)"),
+        ([*base, "parallel.expert_model_parallel_size=16"], "expert_model_parallel_size (16) must divide"),
+    ]
+    for argv, words in cases:
+        assert cli.main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and words in err, (argv, err)

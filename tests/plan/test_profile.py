@@ -9,29 +9,12 @@ import json
 
 import pytest
 
+from helpers.plan_profiles import cpu_profile
 from megagate import config_reader
 from megagate.errors import ConfigError
 from megagate.plan import curves, plan
 from megagate.plan import profile as profile_mod
-from megagate.plan.profile import AttentionCurve, Curve, DeviceProfile, Host, Link
-
-
-def cpu_profile() -> DeviceProfile:
-    return DeviceProfile(
-        name="cpu: test (2 cores)",
-        kind="cpu",
-        memory_bytes=16 * 2**30,
-        gemm={"fp32": Curve(20e9, 16.0, 5e-6), "bf16": Curve(5e9, 16.0, 8e-6)},
-        grouped_gemm={},
-        attention={"sdpa": AttentionCurve(4e9, 2e-5), "local": AttentionCurve(2e9, 3e-5, 2.0, False, 12.0)},
-        memory_bandwidth=8e9,
-        intra=Link(1e-4, 2e9),
-        inter=Link(1e-4, 2e9),
-        host=Host(2e-3, 1e-3, 1.5e-3, 2e-4, 1e-3, 1e-4, per_layer_step=3e-4, serial=True),
-        threads=2,
-        local_ranks={"2": {"compute": 0.5, "host": 0.8}},
-        source="test",
-    )
+from megagate.plan.profile import AttentionCurve, Curve
 
 
 def test_round_trip(tmp_path) -> None:
