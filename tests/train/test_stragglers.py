@@ -42,9 +42,10 @@ def test_a_slow_rank_is_reported_within_the_window(tmp_path, session_demo_dir, c
     host = watchdog.host_name()
     assert reports and {(r["rank"], r["host"]) for r in reports} == {(1, host)}, reports  # rank 0 never
     first = reports[0]
-    # reported after WINDOWS slow windows of INTERVAL steps (a window ends at the last step every rank's record holds:
-    # one window of slack for records written a heartbeat apart)
-    assert first["step"] <= INTERVAL * (WINDOWS + 1), reports
+    # reported after WINDOWS slow windows of INTERVAL steps; a window ends at the last step every rank's record holds
+    # and spans at least 3/4 of the interval: records written a heartbeat (1 s, ~5 steps here) apart may delay the
+    # first windows by up to two looks (reported at step 15 on a quiet machine)
+    assert first["step"] <= INTERVAL * (WINDOWS + 2), reports
     assert 1.25 < first["ratio"] < 2.5 and first["windows"] == WINDOWS, first
     # the other rank waits for it in the gradient reduction: over the whole run (one window's medians can be turned
     # round by a few steps of the other rank descheduled on a loaded machine), from the progress records' step times
