@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "calibrate": "measure this machine (GEMMs, attention, bandwidth, collectives, trainer overheads) into a device profile",
     "submit": "render and submit a Slurm batch job for a training config",
     "sweep": "run a stability grid (learning rates x gate variants x seeds) locally or as a Slurm job array",
+    "frontier": "each variant's largest stable learning rate: adaptive search, early-stopped trials, local or Slurm",
     "report": "aggregate run directories into a table (loss, ppl, spikes, divergence, F-Attn, M-Act) and plots",
     "analyze": "per-layer gate / attention-sink / massive-activation diagnostics of a checkpoint, with PNG plots",
     "export": "write a checkpoint (any TP/PP/EP layout) as a Hugging Face folder (Qwen3 / Qwen3-MoE / Qwen3-Next / paper)",

@@ -81,7 +81,8 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def is_grid_key(key: str) -> bool:
-    return key in GRID_KEYS or key == "model.gate" or key.startswith("model.gate.")
+    # monitor.early_stop: a frontier trial's rungs come from the trials before it, not from the setting
+    return key in GRID_KEYS or key.startswith(("model.gate", "monitor.early_stop"))
 
 
 def _shown(value: Any) -> str:

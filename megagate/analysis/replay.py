@@ -16,7 +16,7 @@ import yaml
 from megagate.errors import ConfigError, MegagateError
 from megagate.monitor.spike import SpikeMonitor, SpikeMonitorConfig
 
-MAPPING_FIELDS = ("metric_thresholds", "abs_ceiling", "direction", "transform")
+MAPPING_FIELDS = ("metric_thresholds", "abs_ceiling", "direction", "transform", "early_rise")
 
 
 def parse_settings(text: str) -> SpikeMonitorConfig:

@@ -55,9 +55,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megagate.frontier.report import frontier_dirs, write_report
+
     rule = SpikeRule(DEFAULT_RULE.window, DEFAULT_RULE.min_history, args.spike_k, args.spike_delta)
     replay = None if args.replay_monitor is None else parse_settings(args.replay_monitor)
-    print(report(args.runs, args.out, diag_lr=args.diag_lr, rule=rule, tolerance=args.spike_tolerance, replay=replay))
+    # a frontier search's folder (frontier.json): its report too, side by side with the grids given with it
+    frontiers = frontier_dirs(args.runs)
+    grids = [p for p in args.runs if Path(p) not in frontiers]
+    runs = grids + [f for f in frontiers if any(f.glob("*/metrics.jsonl")) or any(f.glob("*/summary.json"))]
+    if runs or not frontiers:
+        print(report(runs, args.out, diag_lr=args.diag_lr, rule=rule, tolerance=args.spike_tolerance, replay=replay))
+    for folder in frontiers:
+        dest = None if args.out is None else Path(args.out) / (folder.name if len(frontiers) > 1 else "")
+        print("\n" + write_report(folder, grids, dest))
     if args.out:
         print(f"report.txt, aggregate.json and plots written to {args.out}")
     return 0

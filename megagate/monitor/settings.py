@@ -4,6 +4,7 @@
       spike: {action: warn|skip|rollback|lr_backoff|abort, threshold: 8, ...}   # SpikeMonitorConfig
       faults: [{step: 30, kind: scale_loss, factor: 10}]                     # Fault (stability tests)
       diagnostics: {interval: 50}                                           # every N steps on a fixed probe batch
+      early_stop: {nonfinite: true, above_start: true, rungs: [[150, 5.4]]}  # EarlyStopConfig: end a decided run
 
 `MonitorConfig.from_dict` refuses unknown keys at every level, and values of the wrong type, with a one-line
 ConfigError naming the key and what is allowed, so a typo stops `megagate train --dry-run` before anything is
@@ -16,11 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megagate.errors import ConfigError
+from megagate.monitor.early_stop import EarlyStopConfig
 from megagate.monitor.faults import Fault
 from megagate.monitor.spike import SpikeMonitorConfig
 from megagate.sections import as_mapping, refuse_unknown
 
-SECTIONS = ("spike", "faults", "diagnostics")
+SECTIONS = ("spike", "faults", "diagnostics", "early_stop")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class MonitorConfig:
     spike: SpikeMonitorConfig = field(default_factory=SpikeMonitorConfig)
     faults: tuple[Fault, ...] = ()
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
     @classmethod
     def from_dict(cls, section: Any) -> MonitorConfig:
@@ -62,4 +65,5 @@ class MonitorConfig:
             spike=SpikeMonitorConfig.from_dict(section.get("spike")),
             faults=tuple(Fault.from_dict(item, f"monitor.faults[{i}]") for i, item in enumerate(faults)),
             diagnostics=DiagnosticsConfig.from_dict(section.get("diagnostics")),
+            early_stop=EarlyStopConfig.from_dict(section.get("early_stop")),
         )

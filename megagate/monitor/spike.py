@@ -4,6 +4,11 @@ Detection, per watched metric (the global value after the data-parallel reductio
 
 * a non-finite value (NaN/Inf) is always an event;
 * a value above the metric's absolute ceiling (`abs_ceiling`) is an event;
+* before `min_history` accepted values exist (the warm-up, where high-LR runs spike most), a metric with an
+  `early_rise` entry is judged from `early_min_history` values on: an event when the value exceeds the median of
+  its accepted values by more than early_rise x |median| (a relative rise: 0.2 = 20 %, about 1.5 nats at the
+  initial loss of a 2,048-token vocabulary; in log space early_rise itself, a ratio). Too few values for a noise
+  scale, so the rule is a floor on the rise, not a z-score;
 * otherwise, once `min_history` accepted values exist, the robust z-score ``(value - center) / scale`` is compared
   with `threshold`: center = median of the last `center_window` accepted values, scale = the robust noise level
   (1.4826 · median |successive difference| / √2) over the last `window` accepted values (see `robust_baseline`).
@@ -42,7 +47,7 @@ DIRECTIONS = ("up", "both")
 TRANSFORMS = ("none", "log")
 # Larger is more severe: when several metrics fire in one step the trainer takes the most severe action.
 SEVERITY = {action: i for i, action in enumerate(ACTIONS)}
-PER_METRIC = ("metric_thresholds", "abs_ceiling", "direction", "transform")  # fields mapping metric -> setting
+PER_METRIC = ("metric_thresholds", "abs_ceiling", "direction", "transform", "early_rise")  # metric -> setting
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution × 1.4826 = its standard deviation
 STATE_VERSION = 1
 
@@ -63,6 +68,9 @@ class SpikeMonitorConfig:
     # per-metric override of `threshold`
     metric_thresholds: Mapping[str, float] = field(default_factory=lambda: {"grad_norm": 12.0})
     min_history: int = 20  # accepted values needed before z-scores are computed (NaN/ceiling always checked)
+    # the warm-up rule before min_history: metric -> relative rise over the median of the accepted values
+    early_rise: Mapping[str, float] = field(default_factory=lambda: {"loss": 0.2})
+    early_min_history: int = 3  # accepted values the warm-up rule needs
     rel_floor: float = 0.01  # scale floor, as a fraction of |median| (plateaus with MAD ≈ 0)
     abs_ceiling: Mapping[str, float] = field(default_factory=dict)  # e.g. {"loss": 20.0, "grad_norm": 1e3}
     direction: Mapping[str, str] = field(default_factory=dict)  # metric -> "up" | "both" (default "up")
@@ -114,6 +122,7 @@ class SpikeMonitorConfig:
         d["direction"] = dict(self.direction)
         d["transform"] = dict(self.transform)
         d["metric_thresholds"] = dict(self.metric_thresholds)
+        d["early_rise"] = dict(self.early_rise)
         return d
 
 
@@ -134,6 +143,7 @@ def validate(cfg: SpikeMonitorConfig) -> None:
         "rollback_skip_steps",
         "max_rollbacks",
         "max_consecutive",
+        "early_min_history",
     ):
         _positive_int(name, getattr(cfg, name))
     if cfg.min_history > cfg.window:
@@ -165,6 +175,11 @@ def validate(cfg: SpikeMonitorConfig) -> None:
             continue  # like transform: the grad_norm default is harmless when grad_norm is not watched
         if not isinstance(threshold, (int, float)) or not threshold > 0 or not math.isfinite(threshold):
             raise ConfigError(f"monitor.spike.metric_thresholds.{metric}={threshold!r} must be a positive number")
+    for metric, rise in cfg.early_rise.items():
+        if metric not in cfg.metrics:
+            continue  # like transform: the loss default is harmless when the loss is not watched
+        if isinstance(rise, bool) or not isinstance(rise, (int, float)) or not math.isfinite(rise) or rise <= 0:
+            raise ConfigError(f"monitor.spike.early_rise.{metric}={rise!r} must be a positive number")
     for metric, direction in cfg.direction.items():
         if metric not in cfg.metrics:
             raise ConfigError(
@@ -305,6 +320,11 @@ class SpikeMonitor:
         ceiling = cfg.abs_ceiling.get(metric)
         if ceiling is not None and value > ceiling:
             return SpikeEvent(step, metric, value, baseline, score, cfg.action, f"ceiling {ceiling:g}")
+        rise = cfg.early_rise.get(metric)
+        if rise is not None and cfg.early_min_history <= len(history) < cfg.min_history and score is not None:
+            x = _log(value) if log else value
+            if x - center > rise * (1.0 if log else abs(center)):
+                return SpikeEvent(step, metric, value, baseline, score, cfg.action, f"warm-up rise > {rise:g}")
         if score is not None and len(history) >= cfg.min_history:
             threshold = cfg.metric_thresholds.get(metric, cfg.threshold)
             deviation = score if cfg.direction.get(metric, "up") == "up" else abs(score)

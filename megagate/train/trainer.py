@@ -5,7 +5,8 @@ The loop knows only steps. Logging, evaluation, checkpoint cadence, stop conditi
 fault injection and live diagnostics are callbacks (megagate.train.callbacks) that act through the hooks of
 `Callback` and a few generic operations of the trainer:
 
-    stop(reason, error=None)   end the run before the next step (on_end still runs; `error` is raised afterwards)
+    stop(reason, error=None)   end the run before the next step (on_end still runs; `error` is raised afterwards;
+                               final=True: the run is decided, summary.json is written, a rerun does not go on)
     seek(samples)              the next step reads the training data from this global sample position
     save_checkpoint()          a checkpoint of this state (model, optimizer, scheduler, RNG, data position, and
                                every callback's state_dict under "x_<state_key>")
@@ -60,6 +61,7 @@ class Trainer:
         self.step = self.start_step = 0  # completed steps (start_step: when this launch began)
         self.consumed_samples = 0  # the data position: global samples consumed (or skipped) before the next step
         self.stop_reason: str | None = None
+        self.stop_final = False  # the stop decided the run (an early stop): it is over, not paused
         self.error: BaseException | None = None
         self.summary: dict[str, Any] = {"steps": 0, "final_loss": None, "final_valid_loss": None, "stopped": None}
         self.first_loss: float | None = None
@@ -137,7 +139,7 @@ class Trainer:
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.summary.update(steps=step, final_loss=loss)
         progress.PROGRESS.step_finished()
-        return StepOutput(step, loss, grad_norm, lr, time.perf_counter() - start, applied)
+        return StepOutput(step, loss, grad_norm, lr, time.perf_counter() - start, applied, frozenset(update.flags))
 
     def _mark_phases(self) -> None:
         """Phase markers for the watchdog and the straggler report (megagate.health.progress): megatron's gradient
@@ -170,10 +172,14 @@ class Trainer:
         """True when the run reached train.train_steps without a stop."""
         return self.stop_reason is None and self.step >= self.cfg.train.train_steps
 
-    def stop(self, reason: str, error: BaseException | None = None) -> None:
-        """End the run before the next step; on_end runs (a final checkpoint), then `error` is raised if given."""
+    def stop(self, reason: str, error: BaseException | None = None, *, final: bool = False) -> None:
+        """End the run before the next step; on_end runs (a final checkpoint), then `error` is raised if given.
+
+        `final`: the run is decided (an early stop): like a completed run it gets its summary.json (with the reason
+        under `stopped`) and exits cleanly; a plain stop (signal, wall time) is a pause that a rerun resumes."""
         if self.stop_reason is None:
             self.stop_reason, self.summary["stopped"] = reason, reason
+            self.stop_final = final
         self.error = self.error or error
 
     def seek(self, samples: int) -> None:

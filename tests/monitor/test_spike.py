@@ -342,7 +342,7 @@ def test_faults_validate():
     "section, message",
     [
         ({"spike": {"treshold": 3}}, "monitor.spike.treshold is not a known key; allowed: abs_ceiling, action,"),
-        ({"spikes": {}}, "monitor.spikes is not a known key; allowed: diagnostics, faults, spike"),
+        ({"spikes": {}}, "monitor.spikes is not a known key; allowed: diagnostics, early_stop, faults, spike"),
         (
             {"faults": [{"step": 3, "kind": "nan_grad", "strength": 2}]},
             "monitor.faults[0].strength is not a known key; allowed: factor, host, kind, phase, rank, step",

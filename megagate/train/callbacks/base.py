@@ -10,7 +10,8 @@ of equal priority in the order they were given):
       pre_step(trainer, step, microbatches)    -> the micro-batches to train on (may replace them)
       post_backward(trainer, step)             gradients reduced into the DDP buffers, not yet clipped
       pre_optim_step(trainer, update)          loss and global grad norm known, nothing applied yet:
-                                               update.skip(), update.scale_lr(f), trainer.restore(path)
+                                               update.skip(), update.scale_lr(f), update.flag(name),
+                                               trainer.restore(path)
       post_step(trainer, output)               the step is done (output: StepOutput); not called for a step
                                                that a restore() dropped
     post_checkpoint_saved(trainer, path, step) after every checkpoint (whoever asked for it), on every rank
@@ -25,7 +26,7 @@ Every rank runs every hook with the same values, so hooks may make collective ca
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -46,6 +47,11 @@ class Update:
     grad_norm: float
     lr_scale: float = 1.0
     skipped: bool = False
+    flags: set[str] = field(default_factory=set)  # what callbacks found in this step, e.g. "spike:loss"
+
+    def flag(self, name: str) -> None:
+        """Mark this step for the callbacks after this one (they see it in StepOutput.flags)."""
+        self.flags.add(name)
 
     def skip(self) -> None:
         """Do not apply this update (weights and optimizer state stay as they are; the data moves on)."""
@@ -66,6 +72,7 @@ class StepOutput:
     lr: float  # the LR of the update (after scale_lr)
     step_time: float  # seconds, data loading included
     applied: bool  # False: the update was skipped (by a callback, or by the optimizer on non-finite gradients)
+    flags: frozenset[str] = frozenset()  # Update.flags: e.g. "spike:loss" when the spike monitor flagged the loss
 
 
 class TrainerView(Protocol):
@@ -88,7 +95,9 @@ class TrainerView(Protocol):
     @property
     def completed(self) -> bool: ...
 
-    def stop(self, reason: str, error: BaseException | None = None) -> None: ...
+    stop_final: bool  # the stop decided the run (stop(..., final=True)): it is over, not paused
+
+    def stop(self, reason: str, error: BaseException | None = None, *, final: bool = False) -> None: ...
 
     def seek(self, samples: int) -> None: ...
 

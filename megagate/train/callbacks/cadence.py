@@ -117,7 +117,9 @@ class Checkpointing(Callback):
         wanted = trainer.cfg.checkpoint.save_final and trainer.step > trainer.start_step
         if wanted and self.saved_step != trainer.step:
             trainer.save_checkpoint()
-        if trainer.stop_reason is not None and trainer.error is None:
+        if (trainer.stop_final or "early_stop" in trainer.summary) and trainer.error is None:
+            log(f"stopped at step {trainer.step}: {trainer.stop_reason}; the run is over (summary.json says why)")
+        elif trainer.stop_reason is not None and trainer.error is None:
             if self.saved_step == trainer.step:
                 saved = "checkpoint saved"
             elif not trainer.cfg.checkpoint.save_final:

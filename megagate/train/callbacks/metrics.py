@@ -94,9 +94,10 @@ def moe_metrics(trainer: TrainerView, step: int) -> dict[str, float]:
 
 
 class RunSummary(Callback):
-    """summary.json at the end of a run that completed, or that a callback aborted (diverged, `aborted: true`).
+    """summary.json at the end of a run that completed, that a callback aborted (diverged, `aborted: true`), or
+    that a callback decided early (`trainer.stop(..., final=True)`: `stopped` holds the reason).
 
-    A stopped run (signal, wall time, exit_after_steps) writes none: it is not over. Entries that callbacks put
+    A paused run (signal, wall time, exit_after_steps) writes none: it is not over. Entries that callbacks put
     into `trainer.summary` besides the standard ones (e.g. `spikes`) are written too.
     """
 
@@ -104,10 +105,13 @@ class RunSummary(Callback):
     STANDARD = ("steps", "final_loss", "final_valid_loss", "stopped")
 
     def on_end(self, trainer: TrainerView) -> None:
-        if not trainer.logging_rank or (trainer.stop_reason is not None and trainer.error is None):
+        paused = trainer.stop_reason is not None and trainer.error is None and not trainer.stop_final
+        if not trainer.logging_rank or paused:
             return
         s = trainer.summary
         extra = {k: v for k, v in s.items() if k not in self.STANDARD}
+        if trainer.stop_final:
+            extra["stopped"] = trainer.stop_reason
         last = s["final_loss"] if s["final_loss"] is not None else math.nan
         if trainer.error is not None:
             runfiles.write_summary(trainer.cfg.output.dir, trainer.step, last, None, True, aborted=True, **extra)

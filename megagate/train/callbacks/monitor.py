@@ -61,6 +61,8 @@ class SpikeMonitoring(Callback):
     def pre_optim_step(self, trainer: TrainerView, update: Update) -> None:
         step = update.step
         events = self.monitor.observe(step, {"loss": update.loss, "grad_norm": update.grad_norm})
+        for event in events:  # EarlyStopping counts the loss spikes (StepOutput.flags)
+            update.flag(f"spike:{event.metric}")
         if events and self.events is not None:
             self.events.write(events)
         trainer.summary["spikes"] = self.monitor.num_events

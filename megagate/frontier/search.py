@@ -1,0 +1,166 @@
+"""The frontier search of one variant, as a pure function of the trials run so far: what to run next, and the
+bracket it ends with.
+
+Points live in log-LR between the bounds `lo` and `hi`. The search, recomputed from all outcomes at every round (so
+an interrupted search resumes by simply planning again):
+
+1. anchor: the first seed at `lo` alone (its curve is the reference the next rounds' trials are stopped against);
+2. coarse: the first seed at the other `coarse` points, log-spaced up to `hi`;
+3. bisection on the first seed's verdicts: `u` = the smallest unhealthy LR above the lowest healthy one, `h` = the
+   largest healthy LR below `u`; while log10(u/h) > `resolution` decades, run the geometric mean of h and u;
+4. confirmation: the other seeds at `h` (and at `u` when one failing seed does not decide it); a seed that fails
+   at `h` makes it unhealthy and the bisection goes on below it.
+
+The bracket is (h, u): h healthy on the required seeds, u unhealthy; u None means healthy up to `hi` (the frontier
+is at or above the range), h None that no LR in range was healthy. Healthy points above u (seed noise, a
+non-monotone response) are reported in `notes`, not used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from megagate.frontier.rule import HEALTHY, UNHEALTHY, HealthRule, PointStatus, TrialOutcome, best_loss, point_status
+from megagate.frontier.rule import verdict as trial_verdict
+
+EPS = 1e-4  # decades: LRs are rounded to 6 significant digits
+
+
+def round_lr(x: float) -> float:
+    """LRs are kept to 6 significant digits: stable names and exact equality between rounds."""
+    return float(f"{x:.6g}")
+
+
+def coarse_points(lo: float, hi: float, n: int) -> list[float]:
+    """`n` >= 2 log-spaced LRs from lo to hi, both included."""
+    a, b = math.log10(lo), math.log10(hi)
+    return [round_lr(10 ** (a + (b - a) * i / (n - 1))) for i in range(n)]
+
+
+def midpoint(a: float, b: float, lo: float | None = None, spacing: float | None = None) -> float:
+    """The geometric mean of two LRs (the bisection point in log-LR). With the lattice (`lo`, coarse `spacing` in
+    decades) the point snaps to it (multiples of spacing / 2^20), so rounded LRs never drift: 10^-1.25, not a
+    neighbour of it."""
+    mid = (math.log10(a) + math.log10(b)) / 2
+    if lo is not None and spacing:
+        base = math.log10(lo)
+        mid = base + round((mid - base) / spacing * 2**20) / 2**20 * spacing
+    return round_lr(10**mid)
+
+
+def decades(a: float, b: float) -> float:
+    return abs(math.log10(b / a))
+
+
+@dataclass(frozen=True)
+class Bracket:
+    healthy: float | None  # the largest healthy LR (None: none in range)
+    unhealthy: float | None  # the smallest unhealthy LR above it (None: healthy up to the top of the range)
+
+    @property
+    def width(self) -> float | None:
+        """Width in decades (None when open on one side)."""
+        if self.healthy is None or self.unhealthy is None:
+            return None
+        return decades(self.healthy, self.unhealthy)
+
+    def describe(self) -> str:
+        if self.healthy is None:
+            return f"below the range (unhealthy at {self.unhealthy:.3g})" if self.unhealthy else "nothing run"
+        if self.unhealthy is None:
+            return f">= {self.healthy:.3g} (healthy up to the top of the range)"
+        return f"[{self.healthy:.3g}, {self.unhealthy:.3g})"
+
+
+@dataclass(frozen=True)
+class Plan:
+    requests: tuple[tuple[float, int], ...]  # (lr, seed) trials to run next
+    bracket: Bracket
+    phase: str  # anchor | coarse | bisect | confirm | done
+    notes: tuple[str, ...] = ()
+
+    @property
+    def done(self) -> bool:
+        return self.phase == "done"
+
+
+def judge(
+    outcomes: Mapping[tuple[float, int], TrialOutcome], seeds: Sequence[int], rule: HealthRule
+) -> tuple[dict[float, PointStatus], dict[tuple[float, int], tuple[str, str]]]:
+    """Every point's status and every trial's (verdict, why), against the variant's best over all its trials."""
+    best = best_loss(outcomes.values(), rule)
+    verdicts = {key: trial_verdict(o, best, rule) for key, o in outcomes.items()}
+    by_lr: dict[float, dict[int, str]] = {}
+    for (lr, seed), (v, _) in verdicts.items():
+        by_lr.setdefault(lr, {})[seed] = v
+    return {lr: point_status(vs, len(seeds), rule) for lr, vs in by_lr.items()}, verdicts
+
+
+def bracket_of(status: Mapping[float, PointStatus]) -> tuple[Bracket, tuple[str, ...]]:
+    """(h, u) from the points' leanings: u the first unhealthy LR above the lowest healthy one, h the largest healthy
+    LR below u. Also notes on points the bracket leaves out."""
+    run = sorted(lr for lr, s in status.items() if s.leaning is not None)
+    healthy = [lr for lr in run if status[lr].leaning == HEALTHY]
+    if not healthy:
+        return Bracket(None, run[0] if run else None), ()
+    lowest = healthy[0]
+    u = next((lr for lr in run if lr > lowest and status[lr].leaning == UNHEALTHY), None)
+    h = max(lr for lr in healthy if u is None or lr < u)
+    notes = []
+    above = [lr for lr in healthy if u is not None and lr > u]
+    if above:
+        notes.append(
+            f"healthy again above {u:g} at {', '.join(f'{x:g}' for x in above)} (not used: first failure wins)"
+        )
+    below = [lr for lr in run if lr < lowest]
+    if below:
+        notes.append(f"unhealthy below the lowest healthy LR at {', '.join(f'{x:g}' for x in below)}")
+    return Bracket(h, u), tuple(notes)
+
+
+def _more_seeds(lr: float, count: int, seeds: Sequence[int], outcomes: Mapping) -> list[tuple[float, int]]:
+    return [(lr, s) for s in seeds if (lr, s) not in outcomes][:count]
+
+
+def plan_variant(
+    lo: float,
+    hi: float,
+    coarse: int,
+    resolution: float,
+    seeds: Sequence[int],
+    rule: HealthRule,
+    outcomes: Mapping[tuple[float, int], TrialOutcome],
+) -> Plan:
+    """The next trials of one variant (none: done) from its outcomes so far, keyed by (lr, seed)."""
+    first = seeds[0]
+    points = coarse_points(lo, hi, coarse)
+    if (points[0], first) not in outcomes:
+        return Plan(((points[0], first),), Bracket(None, None), "anchor")
+    missing = [(lr, first) for lr in points[1:] if (lr, first) not in outcomes]
+    if missing:
+        return Plan(tuple(missing), Bracket(None, None), "coarse")
+    status, _ = judge(outcomes, seeds, rule)
+    bracket, notes = bracket_of(status)
+    h, u = bracket.healthy, bracket.unhealthy
+    n, need = len(seeds), rule.required(len(seeds))
+    if h is None:  # nothing healthy: make sure the lowest point really is unhealthy
+        s = status[u]
+        if s.decided is None:
+            return Plan(tuple(_more_seeds(u, n - need + 1 - s.fails, seeds, outcomes)), bracket, "confirm", notes)
+        return Plan((), bracket, "done", notes)
+    if u is not None and decades(h, u) > resolution + EPS:
+        spacing = decades(lo, hi) / (coarse - 1)
+        return Plan(((midpoint(h, u, lo, spacing), first),), bracket, "bisect", notes)
+    requests = []
+    if status[h].decided is None:
+        requests += _more_seeds(h, need - status[h].passes, seeds, outcomes)
+    if u is not None and status[u].decided is None:
+        requests += _more_seeds(u, n - need + 1 - status[u].fails, seeds, outcomes)
+    if requests:
+        return Plan(tuple(requests), bracket, "confirm", notes)
+    return Plan((), bracket, "done", notes)
+
+
+__all__ = ["Bracket", "Plan", "bracket_of", "coarse_points", "decades", "judge", "midpoint", "plan_variant", "round_lr"]

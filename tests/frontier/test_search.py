@@ -1,0 +1,187 @@
+"""The pure frontier search (megagate.frontier.search / rule) and the early-stop rule (megagate.monitor.early_stop),
+driven by synthetic trial outcomes: where the bracket ends, which trials it asks for, in which order, and why."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from megagate.errors import ConfigError
+from megagate.frontier.rule import HEALTHY, UNHEALTHY, HealthRule, TrialOutcome, point_status
+from megagate.frontier.search import bracket_of, coarse_points, decades, judge, midpoint, plan_variant
+from megagate.monitor.early_stop import EarlyStopConfig, EarlyStopRule
+
+LO, HI, SEEDS = 1e-2, 1.0, (0, 1, 2)
+
+
+def world(frontier: float, bad_seed_at: dict[float, int] | None = None):
+    """Trials of a variant whose loss is flat (4.9 + 0.02 per seed) up to `frontier` and 1 nat worse above (those are
+    stopped at a rung, step 75); `bad_seed_at`: an LR where one seed fails anyway."""
+
+    def run(lr: float, seed: int) -> TrialOutcome:
+        if lr > frontier * (1 + 1e-9) or (bad_seed_at or {}).get(lr) == seed:
+            return TrialOutcome(75, False, "rung", "clearly worse at step 75")
+        return TrialOutcome(300, True, valid_loss=4.9 + 0.02 * seed + 0.01 * math.log10(lr / LO))
+
+    return run
+
+
+DEFAULT_RULE = HealthRule()
+
+
+def search(run, rule=DEFAULT_RULE, seeds=SEEDS, coarse=2, resolution=0.25, lo=LO, hi=HI, limit=40):
+    """Drive the planner to the end like the driver does (every request run, in rounds); the rounds and the plan."""
+    outcomes, rounds = {}, []
+    for _ in range(limit):
+        plan = plan_variant(lo, hi, coarse, resolution, seeds, rule, outcomes)
+        if plan.done:
+            return plan, rounds, outcomes
+        assert plan.requests and not set(plan.requests) & set(outcomes), "a request repeats a trial"
+        rounds.append((plan.phase, plan.requests))
+        outcomes.update({key: run(*key) for key in plan.requests})
+    raise AssertionError("the search did not end")
+
+
+def test_lattice():
+    assert coarse_points(1e-2, 1.0, 2) == [0.01, 1.0]
+    assert coarse_points(1e-2, 1.0, 3) == [0.01, 0.1, 1.0]
+    assert midpoint(0.01, 1.0) == 0.1
+    assert midpoint(0.01, 0.1) == 0.0316228
+    assert decades(0.0316228, 0.0562341) == pytest.approx(0.25, abs=1e-6)
+
+
+def test_bisection_to_a_quarter_decade_then_confirms_on_every_seed():
+    plan, rounds, outcomes = search(world(0.05))
+    phases = [p for p, _ in rounds]
+    assert phases == ["anchor", "coarse", "bisect", "bisect", "bisect", "confirm"]
+    assert rounds[0][1] == ((0.01, 0),)  # the anchor alone: its curve is the next rounds' rung reference
+    assert [r[1] for r in rounds[2:5]] == [((0.1, 0),), ((0.0316228, 0),), ((0.0562341, 0),)]
+    assert rounds[5][1] == ((0.0316228, 1), (0.0316228, 2))  # the other seeds at h, at once
+    assert (plan.bracket.healthy, plan.bracket.unhealthy) == (0.0316228, 0.0562341)
+    assert plan.bracket.width == pytest.approx(0.25, abs=1e-6)
+    assert len(outcomes) == 7  # against 9 LRs x 3 seeds for the full grid at this resolution
+
+
+def test_a_seed_failing_at_h_moves_the_bracket_down_and_bisects_again():
+    plan, rounds, _ = search(world(0.05, bad_seed_at={0.0316228: 2}))
+    assert [p for p, _ in rounds][-3:] == ["confirm", "bisect", "confirm"]
+    # h = 0.0316 failed seed 2: the bracket (0.01, 0.0316) is half a decade wide, so 0.0178 is bisected, confirmed
+    assert rounds[-2][1] == ((0.0177828, 0),)
+    assert (plan.bracket.healthy, plan.bracket.unhealthy) == (0.0177828, 0.0316228)
+
+
+def test_healthy_up_to_the_top_and_below_the_range():
+    plan, rounds, _ = search(world(10.0))
+    assert (plan.bracket.healthy, plan.bracket.unhealthy) == (1.0, None)
+    assert plan.bracket.describe().startswith(">= 1")
+    assert [p for p, _ in rounds] == ["anchor", "coarse", "confirm"]
+    plan, rounds, _ = search(world(1e-3))
+    assert (plan.bracket.healthy, plan.bracket.unhealthy) == (None, 0.01)
+    assert [p for p, _ in rounds] == ["anchor", "coarse"]  # one failing seed decides an LR under the all-seeds rule
+
+
+def test_majority_rule_confirms_both_ends():
+    rule = HealthRule(min_healthy_seeds=2)
+    plan, rounds, _ = search(world(0.05), rule=rule)
+    confirm = [r for p, r in rounds if p == "confirm"]
+    # h needs one more healthy seed (2 of 3), u one more failing seed (2 failures > 3 - 2)
+    assert confirm == [((0.0316228, 1), (0.0562341, 1))]
+    assert (plan.bracket.healthy, plan.bracket.unhealthy) == (0.0316228, 0.0562341)
+
+
+def test_delta_rule_against_the_variants_best_and_the_verdict_reasons():
+    rule = HealthRule(delta=0.5, max_loss_spikes=1)
+    outcomes = {
+        (0.01, 0): TrialOutcome(300, True, valid_loss=4.9),
+        (0.1, 0): TrialOutcome(300, True, valid_loss=5.5),  # 0.6 above the best
+        (0.03, 0): TrialOutcome(300, True, valid_loss=5.0, loss_spikes=2),
+        (0.05, 0): TrialOutcome(300, True, valid_loss=4.95, diverged=True),
+        (1.0, 0): TrialOutcome(120, False, "nonfinite", "diverged: non-finite loss nan at step 120"),
+    }
+    status, verdicts = judge(outcomes, (0,), rule)
+    assert verdicts[(0.01, 0)] == (HEALTHY, "final validation loss 4.9000")
+    assert verdicts[(0.1, 0)] == (UNHEALTHY, "final validation loss 5.5000 > best 4.9000 + delta 0.5")
+    assert verdicts[(0.03, 0)][1] == "2 loss spikes after warm-up > 1"
+    assert verdicts[(0.05, 0)] == (UNHEALTHY, "diverged")
+    assert verdicts[(1.0, 0)] == (UNHEALTHY, "diverged: non-finite loss nan at step 120")
+    bracket, notes = bracket_of(status)
+    assert (bracket.healthy, bracket.unhealthy) == (0.01, 0.03)
+    assert notes == ()
+
+
+def test_non_monotone_response_is_noted_first_failure_wins():
+    outcomes = {
+        (0.01, 0): TrialOutcome(300, True, valid_loss=4.9),
+        (0.1, 0): TrialOutcome(75, False, "rung", "worse"),
+        (1.0, 0): TrialOutcome(300, True, valid_loss=5.0),
+    }
+    bracket, notes = bracket_of(judge(outcomes, (0,), HealthRule())[0])
+    assert (bracket.healthy, bracket.unhealthy) == (0.01, 0.1)
+    assert notes == ("healthy again above 0.1 at 1 (not used: first failure wins)",)
+
+
+def test_point_status_counts():
+    rule = HealthRule()
+    assert point_status({0: HEALTHY}, 3, rule).decided is None
+    assert point_status({0: HEALTHY}, 3, rule).leaning == HEALTHY
+    assert point_status({0: UNHEALTHY}, 3, rule).decided == UNHEALTHY
+    assert point_status({0: HEALTHY, 1: HEALTHY, 2: HEALTHY}, 3, rule).decided == HEALTHY
+
+
+@pytest.mark.parametrize(
+    "rule, seeds, message",
+    [
+        (HealthRule(delta=-0.1), 3, "--delta -0.1 can never pass"),
+        (HealthRule(max_loss_spikes=-1), 3, "--max-loss-spikes -1 can never pass"),
+        (HealthRule(min_healthy_seeds=4), 3, "--min-healthy-seeds 4 can never pass with 3 seed(s)"),
+        (HealthRule(min_healthy_seeds=0), 3, "--min-healthy-seeds 0 must be at least 1"),
+    ],
+)
+def test_rules_that_can_never_pass_are_refused(rule, seeds, message):
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        rule.validate(seeds)
+
+
+# --- the trial-side early-stop rule ---------------------------------------------------------------------------------
+def test_early_stop_rules_fire_at_their_step():
+    rule = EarlyStopRule(EarlyStopConfig(nonfinite=True), warmup_steps=3)
+    assert [rule.observe(s, x) for s, x in [(1, 7.0), (2, 6.5)]] == [None, None]
+    decision = rule.observe(3, math.nan)
+    assert (decision.rule, decision.step) == ("nonfinite", 3)
+
+    rule = EarlyStopRule(EarlyStopConfig(above_start=True, window=2), warmup_steps=3)
+    # in the warm-up a loss above the start does not count; after it the mean of the last 2 losses does
+    assert [rule.observe(s, x) for s, x in [(1, 7.0), (2, 8.0), (3, 9.0), (4, 6.0)]] == [None, None, None, None]
+    decision = rule.observe(5, 8.5)  # mean(6.0, 8.5) = 7.25 > 7.0
+    assert (decision.rule, decision.step) == ("above_start", 5)
+    assert "7.25 > first loss 7" in decision.reason
+
+    rule = EarlyStopRule(EarlyStopConfig(max_loss_spikes=1), warmup_steps=3)
+    assert rule.observe(2, 7.0, loss_spike=True) is None  # warm-up
+    assert rule.observe(5, 7.0, loss_spike=True) is None  # the one allowed
+    assert rule.observe(6, 7.0, loss_spike=True).rule == "loss_spikes"
+
+    cfg = EarlyStopConfig(rungs=((4, 5.0), (8, 4.0)), margin=0.5, window=2)
+    rule = EarlyStopRule(cfg, warmup_steps=0)
+    for s, x in [(1, 7.0), (2, 6.0), (3, 5.6), (4, 5.3)]:  # rung 4: mean(5.6, 5.3) = 5.45 <= 5.5
+        assert rule.observe(s, x) is None
+    state = rule.state_dict()
+    resumed = EarlyStopRule(cfg, warmup_steps=0)
+    resumed.load_state_dict(state)  # a resumed run decides exactly as the uninterrupted one
+    for r in (rule, resumed):
+        assert [r.observe(s, x) for s, x in [(5, 5.0), (6, 4.8), (7, 4.7)]] == [None, None, None]
+        decision = r.observe(8, 4.6)  # mean(4.7, 4.6) = 4.65 > 4.0 + 0.5
+        assert (decision.rule, decision.step) == ("rung", 8)
+
+
+def test_early_stop_config_refusals():
+    with pytest.raises(ConfigError, match="monitor.early_stop.rungs steps"):
+        EarlyStopConfig.from_dict({"rungs": [[10, 5.0], [5, 4.0]]})
+    with pytest.raises(ConfigError, match="must be a list of"):
+        EarlyStopConfig.from_dict({"rungs": [[10, "x"]]})
+    with pytest.raises(ConfigError, match="margin=-1"):
+        EarlyStopConfig(margin=-1)
+    with pytest.raises(ConfigError, match="monitor.early_stop.abort is not a known key"):
+        EarlyStopConfig.from_dict({"abort": True})
+    assert not EarlyStopConfig().enabled and EarlyStopConfig(control_file="/x").enabled
