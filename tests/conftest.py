@@ -1,4 +1,5 @@
-"""Shared fixtures: a one-process megatron world for CPU unit tests; a session-end check for leftover processes."""
+"""Shared fixtures: a one-process megatron world for CPU unit tests, the demo corpus and the reference tiny run
+(built once a session), and a session-end check for leftover processes."""
 
 import contextlib
 import os
@@ -6,8 +7,12 @@ import signal
 import sys
 import uuid
 import warnings
+from pathlib import Path
 
 import pytest
+
+# --cpu-durations=N / --cpu-durations-json=PATH: per-test CPU seconds, comparable across machine loads
+from helpers.cpu_durations import pytest_addoption, pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 warnings.filterwarnings("ignore")
@@ -25,6 +30,28 @@ def megatron_world():
 
     with parallel.single_process():
         yield
+
+
+@pytest.fixture(scope="session")
+def session_demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo corpus + tokenizer of examples/tiny_cpu.yaml, built once a session (before any trainer process can
+    race to build it), in the folder helpers.trainer_jobs.demo_data gives every caller."""
+    from helpers import trainer_jobs
+
+    return trainer_jobs.demo_data(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory: pytest.TempPathFactory, session_demo_dir: Path) -> Path:
+    """The uninterrupted 12-step tiny run (helpers.tiny_runs.BASE: seq 64, global batch 8, micro-batch 2, no
+    checkpoint but the final one at step 12, validated at its end), trained once a session: what resumed, resharded,
+    recomputed, evaluated and extended runs are compared with. Tests only read it (one reruns it and checks that
+    the rerun changed nothing)."""
+    from helpers import tiny_runs
+
+    out = tmp_path_factory.mktemp("reference-run")
+    tiny_runs.run_train(out, session_demo_dir)
+    return out
 
 
 # --- no process outlives the session ---------------------------------------------------------------------------------
@@ -124,9 +151,13 @@ def session_leftovers() -> dict[int, str]:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the session if a process it started is still alive (a leaked trainer, checkpoint-writer Manager,
-    resource tracker, ...): list them, kill them. A short grace period lets dying children finish."""
+    resource tracker, ...): list them, kill them. A short grace period lets dying children finish. helpers.forked's
+    server is asked to stop first: it exits once the last child it forked is gone (a leak keeps it alive too)."""
     import time
 
+    from helpers import forked
+
+    forked.stop_server()
     deadline = time.monotonic() + 10
     left = session_leftovers()
     while left and time.monotonic() < deadline:

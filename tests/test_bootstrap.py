@@ -6,6 +6,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -21,6 +23,7 @@ def _imported_from(python: Path) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.slow  # ~9 s of CPU: two clones, two environments
 def test_two_clones_run_their_own_code(tmp_path):
     # a second checkout of this working tree (what bootstrapping and importing need)
     clone = tmp_path / "clone"

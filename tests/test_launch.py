@@ -6,12 +6,11 @@ import json
 import os
 import socket
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
+from helpers import forked
 from megagate.distributed.launch import (
     DistEnv,
     LaunchError,
@@ -26,8 +25,6 @@ from megagate.distributed.launch import (
     visible_devices,
 )
 from megagate.errors import MegagateError
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
@@ -241,27 +238,31 @@ def test_bash_port_formula_matches_python() -> None:
         assert int(out.stdout) == derive_master_port(job_id, restart)
 
 
+def _srun_rank(out_dir: str) -> None:
+    """One rank (a process forked by helpers.forked, its environment srun-style): join the group, all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    from megagate.distributed.launch import init_process_group
+
+    env = init_process_group()
+    t = torch.tensor([float(env.rank + 1)])
+    dist.all_reduce(t)
+    timeout = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    result = {"rank": env.rank, "node": env.node_rank, "local": env.local_rank, "sum": t.item(),
+              "backend": dist.get_backend(), "source": env.source, "timeout": timeout,
+              "alloc": os.environ.get("PYTORCH_ALLOC_CONF")}  # fmt: skip
+    (Path(out_dir) / f"r{env.rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
 @pytest.mark.distributed
 def test_gloo_group_from_srun_variables(tmp_path: Path) -> None:
     """Four processes given only srun-style variables (2 'nodes' x 2) form a real gloo group and all-reduce."""
     with socket.socket() as s:  # a free port for MASTER_PORT; the node list's first host is replaced by MASTER_ADDR
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    prog = textwrap.dedent(
-        """
-        import json, os, sys, torch, torch.distributed as dist
-        from megagate.distributed.launch import init_process_group
-        env = init_process_group()
-        t = torch.tensor([float(env.rank + 1)])
-        dist.all_reduce(t)
-        timeout = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-        json.dump({"rank": env.rank, "node": env.node_rank, "local": env.local_rank, "sum": t.item(),
-                   "backend": dist.get_backend(), "source": env.source, "timeout": timeout,
-                   "alloc": os.environ.get("PYTORCH_ALLOC_CONF")}, open(sys.argv[1], "w"))
-        dist.destroy_process_group()
-        """
-    )
-    procs = []
+    envs = []
     for rank in range(4):
         drop = (
             "SLURM_",
@@ -288,10 +289,10 @@ def test_gloo_group_from_srun_variables(tmp_path: Path) -> None:
                 MASTER_PORT=str(port),
             )
         )
-        env["PYTHONPATH"] = str(REPO)
         env["GLOO_SOCKET_IFNAME"] = "lo"
-        procs.append(subprocess.Popen([sys.executable, "-c", prog, str(tmp_path / f"r{rank}.json")], env=env))
-    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
+        envs.append(env)
+    proc = forked.run(_srun_rank, str(tmp_path), envs=envs, timeout=120)  # four processes at once
+    assert proc.returncode == 0, proc.stderr[-3000:]
     results = sorted((json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(4)), key=lambda d: d["rank"])
     assert [(d["rank"], d["node"], d["local"]) for d in results] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
     assert {d["sum"] for d in results} == {10.0}

@@ -9,6 +9,7 @@ pytestmark = pytest.mark.distributed
 ATTENTION_VARIANTS = list(gates.PRESETS)
 
 
+@pytest.mark.slow  # ~25 s of CPU: every preset at TP 1 and 2 (pp2/ep2 below stay fast)
 def test_tp2_equals_tp1_for_every_variant(tmp_path):
     results = distributed.run(parallel_workers.tp_worker, 2, tmp_path, ATTENTION_VARIANTS)
     for rank_result in results:

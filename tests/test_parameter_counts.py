@@ -7,6 +7,7 @@ from megagate.model import gate as gates
 from megagate.model.model_config import matched_ffn_width
 
 
+@pytest.mark.slow  # ~47 s of CPU: 45 paper-sized models built on the meta device
 def test_paper_models_every_variant(megatron_world, capsys):
     rows = parameter_table(PAPER_MODELS, list(gates.PRESETS), build=True)
     with capsys.disabled():

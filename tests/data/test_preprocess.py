@@ -250,6 +250,7 @@ def _wait_for_temp(folder: Path, proc: subprocess.Popen) -> None:
     raise AssertionError("preprocessing never started writing")
 
 
+@pytest.mark.slow  # ~15 s of CPU: real preprocess processes killed mid-write
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_interrupted_run_leaves_no_finished_files_and_rerun_completes(full_docs, big_tok, tmp_path, sig):
     inp = write_jsonl(full_docs, tmp_path / "c.jsonl")  # ~10 MB: several seconds with one worker

@@ -25,6 +25,7 @@ def test_trained_tokenizer_specials_and_exact_decoding(small_tok, small_docs):
     assert load_tokenizer(small_tok).name == "fast"  # auto picks the fast engine for this vocabulary
 
 
+@pytest.mark.slow  # ~16 s of CPU with the 32k tokenizer trained on the whole corpus
 def test_fast_engine_equals_hf_on_whole_corpus(big_tok, full_docs):
     texts = [d["text"] for d in full_docs]
     hf = HFTokenizer(big_tok)
@@ -39,6 +40,7 @@ def test_fast_engine_equals_hf_on_whole_corpus(big_tok, full_docs):
     assert np.array_equal(flat, np.concatenate(want[:50])) and lengths.tolist() == [a.size for a in want[:50]]
 
 
+@pytest.mark.slow  # ~12 s of CPU (the 32k tokenizer)
 def test_fast_engine_equals_hf_on_vocabulary_and_unicode_probes(big_tok):
     assert len(unicode_probes()) > 1000  # every assigned non-ASCII code point, 64 per text
     assert verify_vocabulary(big_tok) == []

@@ -13,28 +13,30 @@ from pathlib import Path
 
 import pytest
 
+from helpers import forked
 from helpers import tiny_runs as T
 
 YARN = ["--rope", "position_embedding=yarn", "yarn_factor=4", "yarn_original_max_position_embeddings=64"]
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, eval_demo_dir) -> Path:
-    """A 12-step tiny run (seq 64, 8 samples x 1 validation batch, G1 gate), validated at its end."""
-    out = tmp_path_factory.mktemp("eval-run")
-    T.run_train(out, eval_demo_dir)
-    return out
+def run_dir(reference_run) -> Path:
+    """A 12-step tiny run (seq 64, 8 samples x 1 validation batch, G1 gate), validated at its end (conftest's)."""
+    return reference_run
 
 
 def megagate_eval(out: Path, *args: str, nproc: int = 1) -> dict:
-    """Run `megagate eval` (torchrun for nproc > 1) and return its results.json."""
-    launcher = [sys.executable, "-m", "megagate"]
-    if nproc > 1:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-        launcher += ["-m", "megagate"]
-    cmd = [*launcher, "eval", *args, "--out", str(out)]
+    """Run `megagate eval` (a forked child of helpers.forked; the real torchrun for nproc > 1) and return its
+    results.json."""
+    argv = ["eval", *args, "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=T.ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if nproc == 1:
+        proc = forked.run_cli(argv, env=env, timeout=600)
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        proc = subprocess.run([*launcher, "-m", "megagate", *argv], cwd=T.ROOT, env=env, capture_output=True,
+                              text=True, timeout=600)  # fmt: skip
+    cmd = proc.args
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert "checkpoint" in proc.stdout and "ppl" in proc.stdout  # the table
     assert (out / "ppl_vs_length.png").stat().st_size > 1000

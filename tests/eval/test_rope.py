@@ -172,7 +172,7 @@ def test_position_fields_stay_out_of_resume_checks():
     assert "max_sequence_length" not in ARCHITECTURE_FIELDS
 
 
-def test_training_with_yarn_and_a_raised_base(tmp_path, eval_demo_dir):
+def test_training_with_yarn_and_a_raised_base(tmp_path, session_demo_dir):
     """The position fields are training settings too: a YaRN model with base 1M trains (megatron's YaRN path in the
     trainer), and its checkpoint records them for `megagate eval`."""
     import json
@@ -181,7 +181,7 @@ def test_training_with_yarn_and_a_raised_base(tmp_path, eval_demo_dir):
 
     T.run_train(
         tmp_path,
-        eval_demo_dir,
+        session_demo_dir,
         "train.train_steps=3",
         "model.position_embedding=yarn",
         "model.yarn_factor=2",

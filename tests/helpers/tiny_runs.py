@@ -1,4 +1,4 @@
-"""Helpers for trainer tests: launch `megagate train` (one process or torchrun), read metrics and checkpoints."""
+"""Helpers for trainer tests: run `megagate train` (one process or several ranks), read metrics and checkpoints."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from helpers import forked
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "tiny_cpu.yaml"
@@ -47,30 +49,26 @@ def run_train(
     check: bool = True,
     timeout: int = 600,
     env: dict[str, str] | None = None,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run the trainer on the tiny config; nproc > 1 uses torchrun (standalone, gloo) and checks that no straggler
-    was reported; `env` adds variables."""
+    """Run `megagate train` on the tiny config in forked children of the preloaded server (helpers.forked): one
+    process, or nproc ranks with torchrun's variables (gloo), which must report no straggler; `env` adds variables.
+    fresh=True starts a new interpreter instead (`python -m megagate`, torchrun for nproc > 1): for tests whose
+    subject is what a fresh process prints at start-up (the notices megatron writes while it is imported)."""
     window = STRAGGLER if nproc > 1 else []
     args = ["--config", str(CONFIG), *BASE, *window, f"data.demo_dir={demo_dir}", f"output.dir={out}", *overrides]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "megagate", "train", *args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            "megagate",
-            "train",
-            *args,
-        ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if fresh:
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+        cmd = [sys.executable, *launcher, "-m", "megagate", "train", *args]
+        env = {k: v for k, v in env.items() if k not in forked.DIST_VARS}
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    else:
+        proc = forked.run_cli(["train", *args], env=env, nproc=nproc, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+            f"megagate train {' '.join(args)} ({nproc} process(es)) failed ({proc.returncode}):\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         )
     if check and nproc > 1:
         no_stragglers(out)

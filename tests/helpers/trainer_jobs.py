@@ -1,5 +1,6 @@
-"""Real trainer runs for tests: several runs of examples/tiny_cpu.yaml one after the other in ONE child process
-(megatron's import time is paid once), cached for the whole pytest session so test modules share identical runs.
+"""Real trainer runs for tests: runs of examples/tiny_cpu.yaml in children forked from the preloaded server
+(helpers.forked: megatron's import time is paid once), two at a time (each is one single-threaded process, so two
+fill the two cores), cached for the whole pytest session so test modules share identical runs.
 
     runs = trainer_jobs.run_jobs(tmp_path_factory, demo_dir, {"clean": [...overrides], "skip": [...]},
                                  snapshots={"skip": [11, 12, 13]}, hook_logs={"skip"})
@@ -18,7 +19,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 import traceback
@@ -28,10 +28,13 @@ from typing import Any
 
 import torch
 
+from helpers import forked
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "tiny_cpu.yaml"
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 RESULT = "job.json"  # written last: its presence means the job finished (whatever its exit code)
+PARALLEL = 2  # jobs at a time
 DEMO_VOCAB, DEMO_BYTES = 2048, 1_500_000  # examples/tiny_cpu.yaml's demo data (DataSection defaults)
 
 # The short runs of the monitor tests: seq 64, one micro-batch of 8, warm-up 3, no evaluation but the final one.
@@ -134,26 +137,20 @@ def run_jobs(
         if not (d / RESULT).exists()
     ]
     if todo:
-        spec = root / f"spec-{os.getpid()}-{time.monotonic_ns()}.json"
-        spec.write_text(json.dumps(todo))
         env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
-        env.update(
-            OMP_NUM_THREADS="1",
-            PYTHONUNBUFFERED="1",
-            PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH", "")]),
-        )
-        proc = subprocess.run(
-            [sys.executable, "-m", "helpers.trainer_jobs", str(spec)],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        running: list[Any] = []
+        failed: list[str] = []
+        deadline = time.monotonic() + timeout
+        while (todo or running) and time.monotonic() < deadline:
+            while todo and len(running) < PARALLEL:
+                running += forked.start(_run_job, [(todo.pop(0),)], env=env, cwd=ROOT)
+            running[0].join(timeout=0.2)
+            failed += [f"{p.name}: exit code {p.exitcode}" for p in running if p.exitcode not in (None, 0)]
+            running = [p for p in running if p.exitcode is None]
+        forked.join_all(running, timeout=0)  # still running past the timeout: killed
         missing = [name for name, d in dirs.items() if not (d / RESULT).exists()]
-        assert not missing, (
-            f"jobs {missing} did not finish (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
-        )
+        assert not missing, f"jobs {missing} did not finish in {timeout} s ({failed or 'no child failed'})"
     runs = {}
     for name, d in dirs.items():
         result = json.loads((d / RESULT).read_text())
@@ -246,37 +243,25 @@ def _run_one(job: dict) -> tuple[int, str]:
         parallel.destroy()
 
 
-def main(spec: Path) -> None:
-    for job in json.loads(spec.read_text()):
-        out = Path(job["dir"])
-        shutil.rmtree(out, ignore_errors=True)  # an unfinished earlier attempt must not be resumed
-        out.mkdir(parents=True)
-        for var in DIST_VARS:  # each job is a fresh single-process run (the CLI picks a free port)
-            os.environ.pop(var, None)
-        sys.stdout.flush(), sys.stderr.flush()
-        saved = os.dup(1), os.dup(2)
-        start = time.perf_counter()
-        with open(out / "console.log", "w") as log:
-            os.dup2(log.fileno(), 1)
-            os.dup2(log.fileno(), 2)
-            try:
-                rc, error = _run_one(job)
-            except BaseException:  # noqa: BLE001 - recorded for the test to report
-                traceback.print_exc()
-                rc, error = 99, "exception (see console.log)"
-            finally:
-                sys.stdout.flush(), sys.stderr.flush()
-                os.dup2(saved[0], 1)
-                os.dup2(saved[1], 2)
-        if rc == 2 and not error:  # the CLI printed the one-line error: keep it
-            lines = [
-                x for x in (out / "console.log").read_text().splitlines() if x.startswith("megagate train: error:")
-            ]
-            error = lines[-1] if lines else ""
-        seconds = time.perf_counter() - start
-        (out / RESULT).write_text(json.dumps({"rc": rc, "error": error, "seconds": seconds}))
-        print(f"{out.name}: rc {rc}, {seconds:.1f} s", flush=True)
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+def _run_job(job: dict) -> None:
+    """The child: one job, its console output in console.log, then job.json (written last)."""
+    out = Path(job["dir"])
+    shutil.rmtree(out, ignore_errors=True)  # an unfinished earlier attempt must not be resumed
+    out.mkdir(parents=True)
+    sys.stdout.flush(), sys.stderr.flush()
+    start = time.perf_counter()
+    with open(out / "console.log", "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            rc, error = _run_one(job)
+        except BaseException:  # noqa: BLE001 - recorded for the test to report
+            traceback.print_exc()
+            rc, error = 99, "exception (see console.log)"
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+    if rc == 2 and not error:  # the CLI printed the one-line error: keep it
+        lines = [x for x in (out / "console.log").read_text().splitlines() if x.startswith("megagate train: error:")]
+        error = lines[-1] if lines else ""
+    seconds = time.perf_counter() - start
+    (out / RESULT).write_text(json.dumps({"rc": rc, "error": error, "seconds": seconds}))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from helpers import forked
 from helpers.slurm_harness import REPO
 from helpers.tiny_runs import STRAGGLER, no_stragglers
 
@@ -66,10 +67,13 @@ def run_local(argv: list[str], log: Path, timeout: float = 300) -> float:
 
 
 def train_single(demo_dir: Path, out: Path) -> float:
-    return run_local(
-        [sys.executable, "-m", "megagate", "train", "--config", str(CONFIG), *overrides(demo_dir, out, tp=1)],
-        out.with_suffix(".log"),
-    )
+    """The single-process run (a forked child of helpers.forked: no torchrun, no Slurm to test here)."""
+    t0 = time.monotonic()
+    argv = ["train", "--config", str(CONFIG), *overrides(demo_dir, out, tp=1)]
+    proc = forked.run_cli(argv, env=local_env(), timeout=300, stderr_to_stdout=True)
+    out.with_suffix(".log").write_text(proc.stdout)
+    assert proc.returncode == 0, f"megagate train (single process) exited {proc.returncode}:\n{proc.stdout[-4000:]}"
+    return time.monotonic() - t0
 
 
 def train_torchrun(demo_dir: Path, out: Path) -> float:

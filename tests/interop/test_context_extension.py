@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import forked
 from helpers import tiny_runs as T
 
 pytestmark = pytest.mark.slow
@@ -28,14 +28,9 @@ def train(config: Path, out: Path, demo_dir: Path, *overrides: str) -> subproces
         f"train.seq_length={LONG}", "train.train_steps=2", "train.warmup_steps=1", "logging.tensorboard=false",
         "logging.interval=1", *overrides,
     ]  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-m", "megagate", "train", *args],
-        cwd=T.ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    # forked from the preloaded server (helpers.forked): the quiet-console check sees what loading the init_from
+    # checkpoint and training print (a fresh interpreter's import-time notices: tests/train/test_trainer.py)
+    proc = forked.run_cli(["train", *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert T.foreign_console_lines(proc) == []  # a quiet console for an init_from run too
     return proc

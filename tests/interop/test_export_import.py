@@ -11,15 +11,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import forked
 from helpers import tiny_runs as T
 from megagate.cli import main
+
+# ~80 s of CPU in all (a trainer run, five HF round trips, transformers' greedy decoding); test-fast keeps the interop
+# area through tests/interop/test_hf_layouts.py and test_hf_logits.py
+pytestmark = pytest.mark.slow
 
 
 def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -259,23 +262,15 @@ def test_analyze_a_hf_folder_equals_analyze_of_the_checkpoint(trained, exported,
 
 def test_eval_reads_an_import_like_its_source(trained, exported, tmp_path, megatron_world, session_demo_dir):
     """`megagate eval` on the import of an export gives the source checkpoint's perplexity, to the last digit."""
+    from helpers.trainer_jobs import DEMO_BYTES, DEMO_VOCAB
     from megagate.data.demo import prepare_demo_data
     from megagate.interop.hf_io import import_hf
-
-    from .conftest import DEMO_BYTES, DEMO_VOCAB
 
     import_hf(exported, tmp_path / "back", log=str)
     _, prefix = prepare_demo_data(session_demo_dir, DEMO_VOCAB, DEMO_BYTES)
     argv = ["eval", str(trained), str(tmp_path / "back"), "--data", prefix, "--seq-lengths", "32", "--samples", "4"]
     # its own process (eval opens its own megatron world)
-    proc = subprocess.run(
-        [sys.executable, "-m", "megagate", *argv, "--out", str(tmp_path / "eval")],
-        cwd=T.ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = forked.run_cli([*argv, "--out", str(tmp_path / "eval")], env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
     source, imported = ([r["ppl"] for r in c["results"]] for c in results["checkpoints"])

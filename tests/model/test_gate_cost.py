@@ -67,6 +67,7 @@ def test_fused_gates_split_with_views(megatron_world, variant):
     assert sum(extra.values()) <= 12 * LAYERS, extra
 
 
+@pytest.mark.slow  # ~9 s of CPU: the benchmark script in its own process
 def test_benchmark_quick_prints_ratio_and_counts():
     out = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]

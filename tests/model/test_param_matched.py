@@ -73,6 +73,7 @@ def test_matched_width_rounds_to_nearest(added, multiple, expected):
     assert abs(expected - target) <= multiple / 2
 
 
+@pytest.mark.slow  # ~5 s of CPU: the 15A2B MoE on the meta device
 def test_moe_is_not_param_matched_the_gate_share_is_stated(megatron_world):
     base = meta_parameter_count(model_preset("15a2b-moe", gate=gates.preset("baseline")))
     # measured: elementwise 201.3M of 15.78B = 1.28 % (above 1 %: the paper adds it on top), headwise 0.010 %

@@ -5,7 +5,7 @@ injected at fixed steps.
 
     .venv/bin/python tests/monitor/measure_spike_defaults.py [OUT_DIR]      (about 6 minutes on 2 cores)
 
-The runs go through helpers.trainer_jobs (one child process); OUT_DIR (default /tmp/megagate-spike-defaults) keeps
+The runs go through helpers.trainer_jobs (forked children, two at a time); OUT_DIR (default /tmp/megagate-spike-defaults) keeps
 them, so a second call only replays.
 """
 

@@ -8,24 +8,21 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import forked
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def trained(tmp_path_factory: pytest.TempPathFactory, session_demo_dir: Path) -> Path:
     """The final checkpoint of an 8-step run of examples/tiny_cpu.yaml (G1 elementwise gate, demo text)."""
-    from megagate.data.demo import prepare_demo_data
-
-    demo = tmp_path_factory.getbasetemp() / "megagate-demo-data"  # shared with tests/train (built once)
-    prepare_demo_data(demo, 2048, 1_500_000)
+    demo = session_demo_dir
     out = tmp_path_factory.mktemp("analyze-run")
     args = [
         "--config",
@@ -42,15 +39,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
         f"output.dir={out}",
         f"monitor={{diagnostics: {{interval: {STEPS}}}}}",
     ]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "megagate", "train", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**env, "OMP_NUM_THREADS": "1"},
-    )
+    proc = forked.run_cli(["train", *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     path = out / "checkpoints" / f"iter_{STEPS:07d}"
     assert path.is_dir()

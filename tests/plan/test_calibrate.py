@@ -4,11 +4,10 @@ profile `megagate plan --profile` reads."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from helpers import forked
 from megagate.calibrate import framework
 from megagate.plan import profile as profile_mod
 
@@ -50,37 +49,17 @@ def test_overheads_solve_the_hand_made_step_times() -> None:
 @pytest.mark.distributed
 def test_calibrate_writes_a_profile_plan_reads(tmp_path) -> None:
     out = tmp_path / "cpu.json"
-    run = subprocess.run(
-        [sys.executable, "-m", "megagate", "calibrate", "--out", str(out), "--budget-s", "90", "--ranks", "2"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # `megagate calibrate` and `megagate plan` forked from the preloaded server (helpers.forked); calibrate's two
+    # collective ranks are its own processes, as on any machine
+    run = forked.run_cli(["calibrate", "--out", str(out), "--budget-s", "90", "--ranks", "2"], timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     p = profile_mod.load(str(out))
     assert p.kind == "cpu" and set(p.gemm) == {"fp32", "bf16"} and {"sdpa", "local"} <= set(p.attention)
     assert p.memory_bandwidth > 1e8 and p.host.serial and p.threads >= 1
     assert len(p.samples["gemm_fp32"]) >= 6 and set(p.samples["framework"]["measured"]) == set(framework.VARIANTS)
     assert "2" in p.local_ranks and p.intra.bandwidth > 0  # the two-rank gloo world was measured
-    planned = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megagate",
-            "plan",
-            "examples/tiny_cpu.yaml",
-            "--nodes",
-            "1",
-            "--gpus-per-node",
-            "1",
-            "--profile",
-            str(out),
-            "--json",
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    plan = ["plan", "examples/tiny_cpu.yaml", "--nodes", "1", "--gpus-per-node", "1", "--profile", str(out), "--json"]
+    planned = forked.run_cli(plan, timeout=300)
     assert planned.returncode == 0, planned.stderr
     step = json.loads(planned.stdout)["time"]["step_s"]
     assert 1e-3 < step < 60  # a tiny model's step on a CPU: milliseconds to seconds

@@ -1,8 +1,8 @@
 """The planner's per-rank parameters and buffers EQUAL what megatron builds, rank role by rank role.
 
 Each case builds every pipeline stage (and virtual chunk) on the meta device under torch's fake process group of the
-full world size (tests/plan/meta_ranks.py, one subprocess per layout: a fake world cannot share a process with the
-gloo worlds of other tests) and compares, exactly: the parameter list (names, sizes, expert flag, shared-embedding
+full world size (tests/plan/meta_ranks.py, one process per layout, forked by helpers.forked: a fake world cannot
+share a process with the gloo worlds of other tests) and compares, exactly: the parameter list (names, sizes, expert flag, shared-embedding
 flag), megatron's distributed-optimizer buffer layout (padded size and buckets, dense and expert) and the real
 elements every data-parallel rank's optimizer shard covers.
 """
@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from helpers import forked
 from megagate.model import gate as gates
 from megagate.model.presets import model_preset
 from megagate.plan.params import RankShape, chunk_params, rank_buffers
@@ -34,13 +33,15 @@ CASES = [
 ]
 
 
+def _meta_ranks(argv: list[str]) -> None:
+    import meta_ranks  # in the child only: it installs torch's fake process-group backend
+
+    meta_ranks.main(argv)
+
+
 def _built(case: tuple) -> list[dict]:
-    out = subprocess.run(
-        [sys.executable, os.path.join(HERE, "meta_ranks.py"), *map(str, case)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    argv = [*map(str, case)]
+    out = forked.run(_meta_ranks, argv, argv=[os.path.join(HERE, "meta_ranks.py"), *argv], timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(line for line in out.stdout.splitlines() if line.startswith("JSON:"))
     return json.loads(line[5:])

@@ -57,13 +57,13 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Reference:
-    """The uninterrupted runs outside Slurm (the single-process one also builds the shared demo corpus)."""
+def reference(tmp_path_factory, session_demo_dir) -> Reference:
+    """The uninterrupted runs outside Slurm, on the session's demo corpus."""
     root = tmp_path_factory.mktemp("trainer-ref")
-    ref = Reference(root / "demo", root / "single", root / "torchrun")
+    ref = Reference(session_demo_dir, root / "single", root / "torchrun")
     t_single = train_single(ref.demo_dir, ref.single)
     t_torchrun = train_torchrun(ref.demo_dir, ref.torchrun)
-    print(f"reference runs: single process (with the demo corpus) {t_single:.1f} s, torchrun x4 {t_torchrun:.1f} s")
+    print(f"reference runs: single process {t_single:.1f} s, torchrun x4 {t_torchrun:.1f} s")
     return ref
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import forked
 from helpers import tiny_runs as T
 from megagate import checkpoint as ckpt
 from megagate.checkpoint import safe_files
@@ -179,11 +180,9 @@ def demo_dir(session_demo_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path) -> Path:
-    """The uninterrupted 12-step run (checkpoints only at the end), what every resumed run must equal."""
-    out = tmp_path_factory.mktemp("reference")
-    T.run_train(out, demo_dir)
-    return out
+def reference(reference_run: Path) -> Path:
+    """The uninterrupted 12-step run (checkpoints only at the end), what every resumed run must equal (conftest's)."""
+    return reference_run
 
 
 @pytest.fixture(scope="module")
@@ -314,14 +313,7 @@ def test_no_loadable_checkpoint_is_one_line_exit_2(base, tmp_path, demo_dir):
     assert sorted(p.name for p in (root / "damaged").iterdir()) == [f"iter_{s:07d}" for s in (3, 6, 9, 12)]
     assert ckpt.complete_checkpoints(root) == []
     damaged = root / "damaged" / "iter_0000012"  # analysis reads it through the manifest too
-    analyze = subprocess.run(
-        [sys.executable, "-m", "megagate", "analyze", str(damaged), "--out", str(tmp_path / "analysis")],
-        cwd=T.ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    analyze = forked.run_cli(["analyze", str(damaged), "--out", str(tmp_path / "analysis")], timeout=300)
     size = (damaged / "__0_0.distcp").stat().st_size
     saved = (base / "checkpoints" / "iter_0000012" / "__0_0.distcp").stat().st_size
     assert analyze.returncode == 2 and "Traceback" not in analyze.stderr, analyze.stderr[-3000:]
@@ -354,6 +346,7 @@ def test_crafted_pickle_is_refused_by_train(base, tmp_path, demo_dir):
     assert newest.is_dir() and not (run / "checkpoints" / "damaged").exists()  # refused, not taken for damage
 
 
+@pytest.mark.slow  # a real run with four checkpoints (the scanner tests above stay fast)
 @pytest.mark.parametrize("name", [".metadata", "rng_0.pt", "common.pt"])
 def test_crafted_pickle_is_refused_by_analyze(base, tmp_path, name, capsys):
     """`megagate analyze` (in this process: the refusal comes before anything is built) on each crafted file."""

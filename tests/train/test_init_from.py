@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import forked
 from helpers import tiny_runs as T
 
 pytestmark = pytest.mark.slow
@@ -19,11 +18,9 @@ RECIPE = T.ROOT / "examples" / "context_extension_cpu.yaml"
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory, session_demo_dir) -> Path:
-    """The short run: 12 steps at 64 tokens."""
-    out = tmp_path_factory.mktemp("short")
-    T.run_train(out, session_demo_dir)
-    return out
+def source(reference_run: Path) -> Path:
+    """The short run: 12 steps at 64 tokens (conftest's reference run)."""
+    return reference_run
 
 
 def extend(out: Path, demo_dir: Path, source: Path, *overrides: str, check: bool = True):
@@ -42,14 +39,7 @@ def extend(out: Path, demo_dir: Path, source: Path, *overrides: str, check: bool
         "logging.interval=1",
         *overrides,
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "megagate", "train", *args],
-        cwd=T.ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    proc = forked.run_cli(["train", *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc

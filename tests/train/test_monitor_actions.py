@@ -11,10 +11,10 @@ plus a clean 200-step run without any event at the default thresholds, diagnosti
 TensorBoard) and `megagate analyze` on a trained checkpoint.
 
 The 30-step runs share one trainer configuration; they differ only in `monitor.spike.action`, the fault and the
-checkpoint interval, so each is compared with the clean run step by step. To pay megatron's import time once,
-they run one after the other inside a single child process (helpers.trainer_jobs: `megagate.cli.main(["train",
-...])` for each, cached for the session: tests/monitor/test_spike.py reuses clean200); the abort run is a separate
-`python -m megagate train` process (exit code and stderr are what it tests) started at the same time.
+checkpoint interval, so each is compared with the clean run step by step. They run in children forked from the
+preloaded server, two at a time (helpers.trainer_jobs: `megagate.cli.main(["train", ...])` for each, cached for the
+session: tests/monitor/test_spike.py reuses clean200); the abort run is a fresh `python -m megagate train` process
+(its exit code and its stderr, interpreter start-up included, are what it tests) started at the same time.
 """
 
 from __future__ import annotations

@@ -32,10 +32,9 @@ def _grad_norms(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def no_recompute(tmp_path_factory: pytest.TempPathFactory, session_demo_dir: Path) -> Path:
-    out = tmp_path_factory.mktemp("no-recompute")
-    T.run_train(out, session_demo_dir)
-    return out
+def no_recompute(reference_run: Path) -> Path:
+    """conftest's reference run: the same config without recompute."""
+    return reference_run
 
 
 @pytest.mark.slow

@@ -25,11 +25,10 @@ INTERVAL = ["checkpoint.interval=4"]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, session_demo_dir) -> Path:
-    """The uninterrupted 12-step run (checkpoint every 4 steps) every interrupted run is compared with."""
-    out = tmp_path_factory.mktemp("stop-signals-reference")
-    T.run_train(out, session_demo_dir, *INTERVAL)
-    return out
+def reference(reference_run) -> Path:
+    """The uninterrupted 12-step run every interrupted run is compared with (conftest's; it saves only at step 12:
+    checkpoints do not change the trajectory, tests/train/test_trainer.py compares such runs bitwise)."""
+    return reference_run
 
 
 def start(out: Path, demo_dir: Path, *overrides: str) -> subprocess.Popen:

@@ -20,16 +20,14 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("demo-data")
+def demo_dir(session_demo_dir):
+    return session_demo_dir
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, demo_dir):
-    """The uninterrupted single-process run every other run is compared with."""
-    out = tmp_path_factory.mktemp("reference")
-    T.run_train(out, demo_dir)
-    return out
+def reference(reference_run):
+    """The uninterrupted single-process run every other run is compared with (conftest's, shared by the session)."""
+    return reference_run
 
 
 def test_loss_decreases_and_run_files(reference):
@@ -60,12 +58,13 @@ def test_same_seed_same_trajectory(reference, tmp_path, demo_dir):
 
 
 def test_stop_and_resume_is_bitwise_identical(reference, tmp_path, demo_dir):
-    first = T.run_train(tmp_path, demo_dir, "train.exit_after_steps=5")
+    first = T.run_train(tmp_path, demo_dir, "train.exit_after_steps=5", fresh=True)  # a new interpreter's start-up
     assert "stopped at step 5" in first.stdout
     second = T.run_train(tmp_path, demo_dir)
     assert "resumed from" in second.stdout and "at step 5" in second.stdout
-    # a quiet console: a fresh CPU run and a resume print only megagate's lines (megagate.console filters the
-    # known third-party notices; test_finished_run_rerun_changes_nothing shows them with MEGAGATE_VERBOSE=1)
+    # a quiet console: a fresh CPU run (a new interpreter: megatron's import-time notices too) and a resume (forked:
+    # the notices of loading a checkpoint) print only megagate's lines (megagate.console filters the known
+    # third-party notices; test_finished_run_rerun_changes_nothing shows them with MEGAGATE_VERBOSE=1)
     assert T.foreign_console_lines(first) == [] and T.foreign_console_lines(second) == []
     assert T.losses(tmp_path) == T.losses(reference)
     ours = T.checkpoint_tensors(tmp_path / "checkpoints" / "iter_0000012", tmp_path)
@@ -201,7 +200,7 @@ def test_finished_run_rerun_changes_nothing(reference, demo_dir):
     Rerun with MEGAGATE_VERBOSE=1: the console shows the third-party notices megagate.console filters otherwise
     (those of a start-up and of loading a checkpoint), so the quiet-console checks above are not vacuous."""
     before = _snapshot(reference)
-    rerun = T.run_train(reference, demo_dir, env={"MEGAGATE_VERBOSE": "1"})
+    rerun = T.run_train(reference, demo_dir, env={"MEGAGATE_VERBOSE": "1"}, fresh=True)  # import-time notices too
     assert "already complete at step 12; nothing to do" in rerun.stdout
     for notice in (
         "UserWarning: Apex is not installed. Falling back to Torch Norm",
