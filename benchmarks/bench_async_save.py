@@ -59,17 +59,14 @@ def main() -> int:
     parser.add_argument("--data-dir", default="runs/demo-data", help="cache of the demo corpus and tokenizer")
     args = parser.parse_args()
 
-    import warnings
-
     import torch
 
+    from megagate import console
     from megagate.checkpoint import complete_checkpoints
-    from megagate.cli import _quiet_optional_dependency_notices
     from megagate.distributed import children, parallel
     from megagate.model.counts import parameter_counts
 
-    _quiet_optional_dependency_notices()
-    warnings.filterwarnings("ignore", category=UserWarning)
+    console.install()  # the CLI's console: megatron's known notices filtered
     model = [
         f"model.hidden_size={args.hidden}",
         f"model.num_layers={args.layers}",

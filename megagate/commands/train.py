@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
     from megagate.distributed import children, launch
     from megagate.health import watchdog
+    from megagate.health.progress import PROGRESS
     from megagate.train import runlock
     from megagate.train.trainer import train
 
@@ -136,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
                 return code
             dog.publish_failure(exc)  # the other ranks exit now instead of waiting for this one in a collective
             raise
+        if dog is not None and PROGRESS.snapshot().steps_done == 0:
+            dog.stop_idle()  # nothing trained (a finished run rerun): no watchdog folder left behind
     finally:
         from megatron.core import parallel_state
 

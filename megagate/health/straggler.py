@@ -3,7 +3,9 @@
 Pure. Every rank's progress record carries, for each of its last steps, the seconds in `forward_backward`
 (compute) and in `grad_sync` (waiting for the other ranks) (megagate.health.progress). At the end of each window the
 logging rank hands the records to `StragglerDetector.observe`. A window is the steps since the previous one up to
-the last step *every* rank has reported (records are written a heartbeat apart); per rank it takes the *fastest*
+the last step *every* rank has reported (records are written a heartbeat apart), once it spans at least
+`min_steps` steps (a window cut short by lagging records waits for the next look: the fastest of one or two steps
+filters no noise); per rank it takes the *fastest*
 compute of those steps — noise only ever adds time (a descheduled rank, a garbage collection, rank 0's extra work
 after a checkpoint), while a straggler is slower on every step — and compares it with the median of the other ranks
 of the same pipeline stage (stages compute different layers; with two ranks the median of all would hide half the
@@ -71,8 +73,8 @@ def _steps(record: Mapping) -> list[tuple[int, float, float]]:
 class StragglerDetector:
     """Progress records in, straggler reports out."""
 
-    def __init__(self, margin: float, windows: int) -> None:
-        self.margin, self.windows = margin, windows
+    def __init__(self, margin: float, windows: int, min_steps: int = 1) -> None:
+        self.margin, self.windows, self.min_steps = margin, windows, min_steps
         self._last_step = 0  # the previous window's last step
         self._streak: dict[int, int] = {}
 
@@ -82,7 +84,7 @@ class StragglerDetector:
         if len(reported) < len(records) or not reported:
             return self._last_step, []  # a rank with nothing yet: wait for it
         end = min(reported)
-        if end <= self._last_step:
+        if end - self._last_step < max(1, self.min_steps):
             return self._last_step, []
         out = []
         for rank, entries in steps.items():

@@ -109,6 +109,20 @@ class Watchdog:
         with contextlib.suppress(Exception):
             faulthandler.cancel_dump_traceback_later()
 
+    def stop_idle(self) -> None:
+        """Stop after a launch that trained no step (the run was already complete): its launch folder goes too, so a
+        rerun of a finished run leaves every file of the run as it was."""
+        from megagate.distributed.utils import barrier
+
+        self.stop()
+        with contextlib.suppress(OSError):
+            self.channel.record_path(self.rank).unlink()
+        barrier()  # every rank's record is gone before rank 0 removes the (then empty) folders
+        if self.rank == 0:
+            for folder in (self.channel.dir, self.channel.root):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # only if empty: an older launch's folder keeps the root
+
     def publish_failure(self, error: BaseException) -> None:
         """This rank is leaving mid-run with `error`: tell the other ranks (they exit) and the batch script."""
         snap = PROGRESS.snapshot()

@@ -216,6 +216,13 @@ def test_windows_wait_for_every_rank_and_ignore_a_single_slow_step():
     summary = det.observe(records({0: 0.1, 1: 0.1}, 9, outlier={1: 7}))
     assert summary.step == 9 and summary.reports == () and summary.ratios[1] == pytest.approx(1.0)
     assert det.observe(records({0: 0.1, 1: 0.12}, 12)).reports == ()  # 20 %: below the margin
+    # a window shorter than min_steps (records lagging behind) waits for the next look
+    det = StragglerDetector(margin=0.25, windows=1, min_steps=3)
+    assert det.observe(records({0: 0.1, 1: 0.2}, 2)).step == 0
+    (report,) = det.observe(records({0: 0.1, 1: 0.2}, 5)).reports
+    assert report.step == 5 and report.ratio == pytest.approx(2.0)
+    assert det.observe(records({0: 0.1, 1: 0.2}, 7)).step == 0  # steps 6-7: too few
+    assert det.observe(records({0: 0.1, 1: 0.2}, 8)).step == 8
 
 
 # --- the side channel and stacks ------------------------------------------------------------------------------------

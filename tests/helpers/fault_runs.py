@@ -87,6 +87,11 @@ def launches(out: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
 
+def record(folder: Path, rank: int) -> dict:
+    """A rank's last progress record in a launch folder (its step, phase, recent compute/wait times)."""
+    return channel.Channel(folder.parent.parent, folder.name, rank).records()[rank]
+
+
 def events(out: Path, kind: str) -> list[dict]:
     return channel.read_events(out, kind)
 

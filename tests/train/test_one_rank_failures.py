@@ -16,8 +16,11 @@ from megagate import checkpoint as ckpt
 from megagate.health import watchdog
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-SECONDS = 15.0  # from the failure to the last rank's exit (the others leave at their next heartbeat, 1 s; a rank's
-# exit takes a few seconds more on the loaded 2-core test machine: megatron's parallel state, the writer's Manager)
+# From the failure to the last rank's exit: the others leave at their next heartbeat (1 s); a rank's exit takes a few
+# seconds more (megatron's parallel state, the writer's Manager); 16.5 s was measured at a load average of 44 on the
+# shared 2-core machine. The bound tells a prompt exit from the alternative, the others hanging until the collective
+# timeout (30 minutes); the figure itself is printed.
+SECONDS = 45.0
 
 
 def error_lines(log: str) -> list[str]:
@@ -33,7 +36,9 @@ def check_exit(launch: F.Launch, out, expected: str) -> None:
     assert expected in lines[0], lines[0]
     assert launch.log.count("Traceback (most recent call last)") == 1  # torchrun's own summary only
     fault = F.events(out, "fault")[-1]
-    assert launch.workers_ended - fault["time"] < SECONDS, launch.workers_ended - fault["time"]
+    elapsed = launch.workers_ended - fault["time"]
+    print(f"{fault['fault']['kind']} on rank {fault['rank']}: every rank ended {elapsed:.1f} s after the failure")
+    assert elapsed < SECONDS, elapsed
     assert F.live_processes(str(out)) == {}
 
 

@@ -8,6 +8,8 @@ check that they reported no straggler.
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from helpers import fault_runs as F
@@ -40,20 +42,30 @@ def test_a_slow_rank_is_reported_within_the_window(tmp_path, session_demo_dir, c
     host = watchdog.host_name()
     assert reports and {(r["rank"], r["host"]) for r in reports} == {(1, host)}, reports  # rank 0 never
     first = reports[0]
-    # reported after WINDOWS slow windows of INTERVAL steps (a window ends at the last step every rank's record holds:
-    # one window of slack for records written a heartbeat apart)
-    assert first["step"] <= INTERVAL * (WINDOWS + 1), reports
+    # reported after WINDOWS slow windows of INTERVAL steps; a window ends at the last step every rank's record holds
+    # and spans at least 3/4 of the interval: records written a heartbeat (1 s, ~5 steps here) apart may delay the
+    # first windows by up to two looks (reported at step 15 on a quiet machine)
+    assert first["step"] <= INTERVAL * (WINDOWS + 2), reports
     assert 1.25 < first["ratio"] < 2.5 and first["windows"] == WINDOWS, first
-    assert first["others_wait_s"] > first["wait_s"]  # the other rank waits for it in the gradient reduction
+    # the other rank waits for it in the gradient reduction: over the whole run (one window's medians can be turned
+    # round by a few steps of the other rank descheduled on a loaded machine), from the progress records' step times
+    (folder,) = F.launches(out)
+    waits = {r: statistics.median(w for _, _, w in F.record(folder, r)["recent"]) for r in (0, 1)}
+    assert waits[0] > 2 * waits[1], waits
+    assert any(r["others_wait_s"] > r["wait_s"] for r in reports), reports
     assert f"straggler: rank 1 ({host}) computes {first['ratio']:.2f}x as long as the other ranks" in launch.log
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb = EventAccumulator(str(out / "tensorboard"))
     tb.Reload()
-    ratios = tb.Scalars("straggler/max_compute_ratio")
-    assert ratios and max(e.value for e in ratios) > 1.25
-    assert {e.value for e in tb.Scalars("straggler/slowest_rank") if e.step >= first["step"]} == {1.0}
+    ratios = {e.step: e.value for e in tb.Scalars("straggler/max_compute_ratio")}
+    slowest = {e.step: e.value for e in tb.Scalars("straggler/slowest_rank")}
+    reported = [e.step for e in tb.Tensors("straggler/reports/text_summary")]
+    assert len(reported) == len(reports), (reported, reports)
+    # at each report rank 1 was the slowest, over the margin (in a window without a report, a few steps of rank 0
+    # descheduled on a loaded machine may make it the slowest: one window is no report)
+    assert all(slowest[s] == 1.0 and ratios[s] > 1.25 for s in reported), (reported, slowest, ratios)
 
     from megagate import cli
 

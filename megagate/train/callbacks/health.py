@@ -26,8 +26,10 @@ class StragglerReport(Callback):
     priority = 55
 
     def __init__(self, cfg: StragglerConfig) -> None:
+        # a window spans at least 3/4 of the interval: records lagging a heartbeat behind shorten a window by a step
+        # or two, not to one or two steps (too few for the fastest step to filter a loaded machine's noise)
         self.cfg = cfg
-        self.detector = StragglerDetector(cfg.margin, cfg.windows)
+        self.detector = StragglerDetector(cfg.margin, cfg.windows, min_steps=-(-3 * cfg.interval // 4))
         self.writer = None
 
     def on_start(self, trainer: TrainerView) -> None:
