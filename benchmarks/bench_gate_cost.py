@@ -92,6 +92,11 @@ def build_pair(seq: int = 256, batch: int = 4, seed: int = 0, variant: str = "g1
         rotary_base=model.rotary_base,
         rotary_percent=model.rotary_percent,
     )
+    from megagate.model.loss import use_local_cross_entropy
+
+    use_local_cross_entropy(
+        theirs
+    )  # the loss megagate's factory gives a TP = 1 model: the pair differs in attention only
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in theirs.parameters():  # norm weights and all: every path carries non-trivial values

@@ -208,7 +208,8 @@ def plan(
     setup = resolve(cfg, world_size, Machine(gpu=False, te=False) if cpu else Machine.target(cfg))
     layout = setup.layout
     k = kernels or kernels_for(setup.backend, setup.core_attention, cpu=cpu)
-    roles = _roles(cfg, layout, k, margin_gb, fragmentation)
+    local_loss = layout.tp == 1 and not setup.perf.cross_entropy_loss_fusion  # model.loss: torch's cross-entropy
+    roles = _roles(cfg, layout, k, margin_gb, fragmentation, local_loss)
     w = workload(setup, profile, gpus_per_node, routing_imbalance)
     st = step_time(w, profile, ranks_per_node=min(gpus_per_node, world_size))
     assumptions = [
@@ -228,7 +229,9 @@ def plan(
     return Plan(cfg, world_size, profile, layout, k, roles, st, w, gpus_per_node, assumptions)
 
 
-def _roles(cfg: TrainConfig, layout, k: mem.Kernels, margin_gb: float, fragmentation: float) -> list[Role]:
+def _roles(
+    cfg: TrainConfig, layout, k: mem.Kernels, margin_gb: float, fragmentation: float, local_loss: bool
+) -> list[Role]:
     """Every pipeline stage's memory by item (exact buffers, the activation inventory, the margin)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     shape = RankShape(layout.tp, layout.pp, layout.vpp, layout.ep, layout.cp, layout.dp, layout.expert_dp)
@@ -270,7 +273,7 @@ def _roles(cfg: TrainConfig, layout, k: mem.Kernels, margin_gb: float, fragmenta
             items["activations: recompute working set"] = max(0, full_layer - kept_layer)
         items["activations: backward working set (one layer)"] = full_layer
         if r == layout.pp - 1:
-            out = mem.output_items(m, act, k)
+            out = mem.output_items(m, act, k, local_loss)
             items["activations: final norm, output input, fp32 logits"] = sum(out.values())
             items["activations: logits transient"] = mem.logits_transient(m, act)
         activations = sum(v for key, v in items.items() if key.startswith("activations"))

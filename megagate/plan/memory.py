@@ -167,14 +167,17 @@ def embedding_bytes(shape: ActivationShape) -> int:
     return 8 * shape.seq * shape.micro_batch
 
 
-def output_items(model: ModelConfig, shape: ActivationShape, k: Kernels) -> dict:
-    """The last stage's final norm, output-layer input, fp32 softmax of the logits kept by the loss, labels."""
+def output_items(model: ModelConfig, shape: ActivationShape, k: Kernels, local_loss: bool = False) -> dict:
+    """The last stage's final norm, output-layer input, fp32 softmax of the logits kept by the loss, labels.
+    `local_loss`: torch's cross-entropy (megagate.model.loss, TP = 1) instead of megatron's vocab-parallel one."""
     s, b, t, a = shape.seq, shape.micro_batch, shape.tp, shape.act_bytes
     tok = s * b // (t if shape.sequence_parallel else 1)
     vocab = model.vocab_size // t
+    # megatron's: the softmax, labels int64 and the target mask; torch's: log-softmax, labels and a scalar weight
+    labels = 8 * s * b + 4 if local_loss else 9 * s * b
     return {
         "final norm + output-layer input": _norm(tok, model.hidden_size, a, k) + a * tok * model.hidden_size,
-        "logits fp32 (kept by the loss)": 4 * s * b * vocab + 9 * s * b,  # + labels int64 + loss mask
+        "logits fp32 (kept by the loss)": 4 * s * b * vocab + labels,
     }
 
 

@@ -250,6 +250,7 @@ def test_channel_records_hang_claim_failures_and_events(tmp_path, monkeypatch):
 
 def test_main_thread_position_tells_waiting_from_busy(tmp_path):
     import datetime
+    import socket
 
     import torch.distributed as dist
 
@@ -266,17 +267,15 @@ def test_main_thread_position_tells_waiting_from_busy(tmp_path):
         sum(range(1000))
     t.join()
     assert seen["busy"][0] is False and "test_health_units.py" in seen["busy"][1]
-    # waiting for another rank: a 2-rank rendezvous whose second rank never comes
+    # waiting for another rank: a 2-rank rendezvous whose second rank never comes (torch's store rendezvous, not
+    # init_process_group: the session's one-process megatron world may already hold the default group)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     t = threading.Thread(target=watch, args=("waiting",))
     t.start()
     with pytest.raises(Exception):  # noqa: B017 - torch's timeout error type varies by version
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{tmp_path / 'rdv'}",
-            rank=0,
-            world_size=2,
-            timeout=datetime.timedelta(seconds=2),
-        )
+        next(dist.rendezvous(f"tcp://127.0.0.1:{port}", rank=0, world_size=2, timeout=datetime.timedelta(seconds=2)))
     t.join()
     assert seen["waiting"][0] is True and seen["waiting"][1].startswith("torch/distributed/"), seen
     stacks.dump(tmp_path / "s.txt", "header")

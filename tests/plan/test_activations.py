@@ -69,7 +69,7 @@ def estimate(model, b: int, s: int) -> int:
         mem.embedding_bytes(shape)
         + checkpoints * mem.checkpoint_bytes(model, shape)
         + stored * kept
-        + sum(mem.output_items(model, shape, k).values())
+        + sum(mem.output_items(model, shape, k, local_loss=True).values())  # TP = 1: model.loss
     )
 
 
