@@ -21,7 +21,7 @@ BASE = ROOT / "examples" / "tiny_cpu.yaml"
 # The YAML that `megagate submit` once accepted and the trainer refused: parallel sizes only, no data section.
 PARALLEL_ONLY = "model:\n  preset: tiny\nparallel:\n  tensor_model_parallel_size: 2\n"
 
-SECTIONS = "model, parallel, train, data, checkpoint, logging, output, monitor, perf, seed"
+SECTIONS = "model, parallel, train, data, checkpoint, logging, output, monitor, perf, watchdog, straggler, seed"
 PARALLEL_KEYS = (
     "context_parallel_size, expert_model_parallel_size, pipeline_model_parallel_size, sequence_parallel, "
     "tensor_model_parallel_size, virtual_pipeline_model_parallel_size"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import socket
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -27,6 +28,7 @@ def failing_rank_error(exc: BaseException) -> tuple[int, OSError] | None:
     DCP CheckpointException gathered from the ranks ({rank: (exception, traceback)})."""
     seen = set()
     todo: list[tuple[int, BaseException]] = [(get_rank(), exc)]
+    from_text: tuple[int, OSError] | None = None
     while todo:
         rank, e = todo.pop()
         if id(e) in seen:
@@ -40,8 +42,25 @@ def failing_rank_error(exc: BaseException) -> tuple[int, OSError] | None:
                 f = f[0] if isinstance(f, tuple) and f else f
                 if isinstance(f, BaseException):
                     todo.append((int(r), f))
+        elif from_text is None:  # (a DCP CheckpointException's text repeats its failures without their ranks)
+            from_text = _os_error_in_text(rank, str(e))
         todo.extend((rank, x) for x in (e.__cause__, e.__context__) if x is not None)
-    return None
+    return from_text
+
+
+# an OS error that reached us as text only (an exception pickled from a writer process, or megatron's writer log)
+_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^:'\"\]]+)")
+
+
+def _os_error_in_text(rank: int, text: str) -> tuple[int, OSError] | None:
+    found = os_error_from_text(text)
+    return None if found is None else (rank, found)
+
+
+def os_error_from_text(text: str) -> OSError | None:
+    """The OSError an exception's text names ("[Errno 28] No space left on device: ..."), None if it names none."""
+    found = _ERRNO_TEXT.search(text)
+    return None if found is None else OSError(int(found[1]), found[2].strip())
 
 
 def host() -> str:

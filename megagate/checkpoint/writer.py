@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import queue
 import socket
@@ -25,11 +26,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from megagate.checkpoint.failures import os_error_from_text
 from megagate.checkpoint.manifest import records
 from megagate.monitor import process_faults
 
 CRC_FILE = ".crc-rank{:05d}.json"
 ERROR_FILE = ".error-rank{:05d}.txt"
+MEGATRON_WRITER_LOG = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 
 
 def _host() -> str:
@@ -47,12 +50,17 @@ def _write(fn: Any, tmp: str, step: int, rank: int, write_buckets: list, results
     """The wrapped writer: fault point, megatron's write, checksums; any failure recorded (one queue item always)."""
     folder = Path(tmp)
     local: queue.Queue = queue.Queue()
+    logged = _WorkerErrors()
+    megatron_log = logging.getLogger(MEGATRON_WRITER_LOG)
+    megatron_log.addHandler(logged)
     try:
         process_faults.checkpoint_io("write", step, folder)
         fn(rank, write_buckets, local)  # megatron's writer: puts its results (or an exception) into the queue
         result = local.get_nowait()
         if isinstance(result, BaseException):
-            raise result
+            # megatron's writer keeps only the text of its worker's exception (it then fails an assertion on the
+            # exception's type): the OS error behind it, from that text, names what went wrong
+            raise next(filter(None, map(os_error_from_text, logged.texts)), result)
         names = [bucket[1] for bucket in write_buckets]  # (full path, file name, data) per file
         (folder / CRC_FILE.format(rank)).write_text(json.dumps(records(folder, names)))
     except Exception as exc:  # noqa: BLE001 - reported through the error file and megatron's results
@@ -61,7 +69,20 @@ def _write(fn: Any, tmp: str, step: int, rank: int, write_buckets: list, results
         except OSError:
             pass
         result = exc
+    finally:
+        megatron_log.removeHandler(logged)
     results_queue.put(result)
+
+
+class _WorkerErrors(logging.Handler):
+    """The error lines megatron's checkpoint writer logs while one write runs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.texts: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.texts.append(record.getMessage())
 
 
 def prepare(state: dict, tmp: Path, step: int) -> Any:
