@@ -102,7 +102,8 @@ def skip_single_rank_gathers(optimizer: Any, ddp: list) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     groups = [g for chunk in ddp for g in (*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups)]
-    if not groups or any(g.intra_distributed_optimizer_instance_size != 1 for g in groups):
+    # (megatron sets the instance size only with the DistributedOptimizer: without it there is no gather to stop)
+    if not groups or any(getattr(g, "intra_distributed_optimizer_instance_size", None) != 1 for g in groups):
         return False
     for chunk in ddp:
         cfg = chunk.ddp_config
