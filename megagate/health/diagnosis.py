@@ -89,3 +89,19 @@ def diagnose(before: Mapping[int, Mapping], after: Mapping[int, Mapping], world_
             parts.append(f"{_ranks(ranks)} {'waits' if len(ranks) == 1 else 'wait'} in {where} ({frame})")
     line = "hang: " + "; ".join(parts) + f"; stacks in {stacks}"
     return Diagnosis(line, tuple(culprits), hosts, tuple(waiting), details)
+
+
+# what a rank's collective raises when another rank's process is gone (gloo's TCP pairs, NCCL's watchdog)
+PEER_LOSS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "remote process exited or there was a network error",
+)
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether `error` only says another rank vanished (killed without a word, its node lost): not this rank's fault,
+    so it does not speak for the job; the launcher names the rank that died."""
+    text = f"{error}"
+    return any(marker in text for marker in PEER_LOSS)

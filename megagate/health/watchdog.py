@@ -38,7 +38,7 @@ from pathlib import Path
 from megagate.health import stacks
 from megagate.health.channel import Channel, append_event, describe, launch_name, write_failure_file
 from megagate.health.config import WatchdogConfig
-from megagate.health.diagnosis import diagnose
+from megagate.health.diagnosis import diagnose, lost_a_peer
 from megagate.health.progress import PROGRESS, TIMED_PHASES, Snapshot
 
 HANG_EXIT_CODE = 75  # EX_TEMPFAIL: the job may succeed when rerun (requeued)
@@ -128,6 +128,8 @@ class Watchdog:
         snap = PROGRESS.snapshot()
         if snap.phase == "end" or self.world_size == 1:  # the run ended in agreement (an abort after the final
             return  # checkpoint), or there is nobody to tell: the CLI's line is the whole story
+        if lost_a_peer(error):  # a rank died silently (SIGKILL, a lost node): srun / torchrun name it, not this one
+            return
         message = (str(error).strip().splitlines() or [type(error).__name__])[0]
         record = {
             "rank": self.rank,

@@ -13,7 +13,7 @@ import pytest
 from megagate.errors import ConfigError
 from megagate.health import channel, progress, stacks
 from megagate.health.config import DEFAULT_FLOORS, StragglerConfig, WatchdogConfig
-from megagate.health.diagnosis import diagnose
+from megagate.health.diagnosis import diagnose, lost_a_peer
 from megagate.health.progress import Progress, Snapshot
 from megagate.health.straggler import StragglerDetector
 from megagate.health.watchdog import limit
@@ -324,3 +324,13 @@ def test_io_faults_fire_once_per_run_and_host_faults_every_launch(tmp_path):
     assert host is not None and len(host.faults) == 1
     process_faults.disarm()
     json.dumps(fired)
+
+
+def test_a_vanished_peer_is_not_this_ranks_failure():
+    """gloo's error on the ranks left when one was SIGKILLed: they do not claim the failure (srun names the dead rank)."""
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:46723: Connection reset by peer"
+    )
+    assert lost_a_peer(gloo)
+    assert not lost_a_peer(OSError(28, "No space left on device"))
+    assert not lost_a_peer(RuntimeError("rank 1 (node2): fail_save injected"))

@@ -125,9 +125,11 @@ def test_second_run_on_busy_output_dir_refuses_first_finishes(tmp_path, session_
     try:
         lock_file = tmp_path / runlock.LOCK_NAME
         deadline = time.monotonic() + 300
-        while first.poll() is None and time.monotonic() < deadline:
+        metrics = tmp_path / "metrics.jsonl"
+        while first.poll() is None and time.monotonic() < deadline:  # the first holds the lock and has trained
             if lock_file.exists() and f'"pid": {first.pid},' in lock_file.read_text():
-                break
+                if metrics.exists() and metrics.read_text().endswith("\n"):
+                    break
             time.sleep(0.05)
         second = T.run_train(tmp_path, session_demo_dir, "train.train_steps=30", check=False)
         assert first.poll() is None, "the first run ended before the second was refused: the test proves nothing"
