@@ -42,8 +42,8 @@ def failing_rank_error(exc: BaseException) -> tuple[int, OSError] | None:
                 f = f[0] if isinstance(f, tuple) and f else f
                 if isinstance(f, BaseException):
                     todo.append((int(r), f))
-        elif from_text is None:  # (a DCP CheckpointException's text repeats its failures without their ranks)
-            from_text = _os_error_in_text(rank, str(e))
+        elif from_text is None and rank == get_rank():  # this rank's own only: another rank's failure is named by
+            from_text = _os_error_in_text(rank, str(e))  # that rank's line (with its host), which replaces ours
         todo.extend((rank, x) for x in (e.__cause__, e.__context__) if x is not None)
     return from_text
 

@@ -8,15 +8,17 @@ from megagate.checkpoint import failures
 
 
 def test_an_os_error_known_only_by_its_text_is_named():
-    # what megatron's writer hands on from a worker process: the text of the exception, in a RuntimeError
+    # what megatron's writer hands on from a worker: the text of the exception, in a RuntimeError
     worker = RuntimeError(
         "Worker failure: Local worker 0 encountered an error: [Errno 28] No space left on device: '/c'"
     )
-    rank, error = failures.failing_rank_error(CheckpointException("write", {3: (worker, [])}))
-    assert rank == 3 and error.errno == errno.ENOSPC and error.strerror == "No space left on device"
-    assert failures.write_error(CheckpointException("write", {3: (worker, [])})) == (
-        "rank 3: No space left on device (ENOSPC)"
+    rank, error = failures.failing_rank_error(CheckpointException("write", {0: (worker, [])}))
+    assert rank == 0 and error.errno == errno.ENOSPC and error.strerror == "No space left on device"
+    assert failures.write_error(CheckpointException("write", {0: (worker, [])})) == (
+        f"rank 0 ({failures.host()}): No space left on device (ENOSPC)"
     )
+    # another rank's text is not read here: that rank's own line (naming its host) replaces the generic one
+    assert failures.write_error(CheckpointException("write", {3: (worker, [])})) == "a write failed on another rank"
 
 
 def test_a_real_os_error_in_the_chain_wins_over_text():
