@@ -95,7 +95,7 @@ class PlainLoop:
             eps=t.adam_eps,
             weight_decay=t.weight_decay,
         )
-        self.scheduler = plain_scheduler(cfg, self.optimizer)
+        self.scheduler = components.lr_scheduler(cfg, self.optimizer)  # the trainer's own schedule
         self.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
 
     def step(self):
@@ -173,32 +173,6 @@ def megagate_cpu_loop(overrides: list[str], result: str) -> None:
         finally:
             parallel.destroy()
     Path(result).write_text(json.dumps({"windows": windows}))
-
-
-def plain_scheduler(cfg, optimizer):
-    """megatron's OptimizerParamScheduler with the trainer's arguments (megagate.train.components)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from megagate import run_config
-
-    t = cfg.train
-    gbs = t.global_batch_size
-    style = run_config.MEGATRON_LR_STYLE[t.lr_schedule]
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=t.lr,
-        min_lr=t.min_lr,
-        lr_warmup_steps=t.warmup_steps * gbs,
-        lr_decay_steps=t.train_steps * gbs,
-        lr_decay_style=style,
-        start_wd=t.weight_decay,
-        end_wd=t.weight_decay,
-        wd_incr_steps=t.train_steps * gbs,
-        wd_incr_style="constant",
-        wsd_decay_steps=t.wsd_steps * gbs if style == "WSD" else None,
-        lr_wsd_decay_style="linear" if style == "WSD" else None,
-    )
 
 
 # --- the rounds ------------------------------------------------------------------------------------------------

@@ -132,13 +132,19 @@ def optimizer_config(setup: RunSetup) -> OptimizerConfig:  # noqa: F821
 def build_optimizer(setup: RunSetup, ddp: list) -> tuple[Any, Any]:
     """(megatron optimizer: AdamW with clipping, OptimizerParamScheduler counting samples)."""
     from megatron.core.optimizer import get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(optimizer_config(setup), ddp)
+    return optimizer, lr_scheduler(setup.cfg, optimizer)
+
+
+def lr_scheduler(cfg: TrainConfig, optimizer: Any) -> Any:
+    """megatron's OptimizerParamScheduler for `cfg.train`'s schedule, counted in samples."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    t = setup.cfg.train
-    optimizer = get_megatron_optimizer(optimizer_config(setup), ddp)
+    t = cfg.train
     gbs = t.global_batch_size
     style = MEGATRON_LR_STYLE[t.lr_schedule]
-    scheduler = OptimizerParamScheduler(
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=t.lr,
@@ -153,7 +159,6 @@ def build_optimizer(setup: RunSetup, ddp: list) -> tuple[Any, Any]:
         wsd_decay_steps=t.wsd_steps * gbs if style == "WSD" else None,
         lr_wsd_decay_style="linear" if style == "WSD" else None,
     )
-    return optimizer, scheduler
 
 
 # --- data ----------------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import trainer_jobs
 from megagate.frontier import state as state_mod
 from megagate.frontier.rule import HealthRule
 from megagate.frontier.search import plan_variant
@@ -36,18 +37,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "tiny_cpu.yaml"
-TINY = [
-    "train.train_steps=30",
-    "train.seq_length=64",
-    "train.micro_batch_size=8",
-    "train.global_batch_size=8",
-    "train.warmup_steps=3",
-    "train.eval_interval=0",
-    "train.eval_iters=1",
-    "logging.interval=1",
-    "logging.tensorboard=false",
-    "checkpoint.interval=0",
-]
+TINY = [*trainer_jobs.TINY, "logging.tensorboard=false", "checkpoint.interval=0"]  # the monitor tests' runs
 VARIANT = "g1-elementwise"
 ANCHOR, TOP = f"{VARIANT}_lr0.01_s0", f"{VARIANT}_lr1_s0"
 SEED1, SEED2 = f"{VARIANT}_lr0.01_s1", f"{VARIANT}_lr0.01_s2"
