@@ -43,18 +43,14 @@ def failing_rank_error(exc: BaseException) -> tuple[int, OSError] | None:
                 if isinstance(f, BaseException):
                     todo.append((int(r), f))
         elif from_text is None and rank == get_rank():  # this rank's own only: another rank's failure is named by
-            from_text = _os_error_in_text(rank, str(e))  # that rank's line (with its host), which replaces ours
+            text_error = os_error_from_text(str(e))  # that rank's line (with its host), which replaces ours
+            from_text = None if text_error is None else (rank, text_error)
         todo.extend((rank, x) for x in (e.__cause__, e.__context__) if x is not None)
     return from_text
 
 
 # an OS error that reached us as text only (an exception pickled from a writer process, or megatron's writer log)
 _ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^:'\"\]]+)")
-
-
-def _os_error_in_text(rank: int, text: str) -> tuple[int, OSError] | None:
-    found = os_error_from_text(text)
-    return None if found is None else (rank, found)
 
 
 def os_error_from_text(text: str) -> OSError | None:
