@@ -54,7 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--budget", type=int, default=None, help="stop launching rounds after this many trial-steps")
     s.add_argument("--max-attempts", type=int, default=3, help="launches of a trial failing for non-stability reasons")
     h = parser.add_argument_group("health rule")
-    h.add_argument("--delta", type=float, default=0.5, help="final valid loss within this of the variant's best (0.5)")
+    h.add_argument("--delta", type=float, default=0.5, help="final valid loss within this of the reference (0.5)")
+    h.add_argument(
+        "--reference", type=float, default=None, help="a fixed reference loss in nats (default: the variant's best)"
+    )
+    h.add_argument(
+        "--decisive", type=float, default=None, help="decide an LR on fewer seeds when this far from the threshold"
+    )
     h.add_argument("--max-loss-spikes", type=int, default=0, help="loss spikes allowed after warm-up (0)")
     h.add_argument("--min-healthy-seeds", type=int, default=None, help="seeds that must be healthy (default: all)")
     e = parser.add_argument_group("early stopping")
@@ -100,7 +106,7 @@ def _spec(args: argparse.Namespace) -> FrontierSpec:
         seeds=tuple(args.seeds),
         coarse=args.coarse,
         resolution=args.resolution,
-        rule=HealthRule(delta, args.max_loss_spikes, args.min_healthy_seeds),
+        rule=HealthRule(delta, args.max_loss_spikes, args.min_healthy_seeds, args.reference, args.decisive),
         early=EarlyStopSpec(
             # a training-loss gap at a rung overstates the final validation gap (measured 1.3-1.9x on the CPU
             # study's grid between steps 100 and 250): "clearly worse" is twice the tolerance

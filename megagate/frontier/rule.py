@@ -6,11 +6,16 @@ A trial (variant, LR, seed) is **healthy** when all of these hold:
    best trial at a rung, too many loss spikes) and not aborted by the spike monitor;
 2. it did not diverge (the project's definition: no non-finite loss, final loss not above the first);
 3. at most `max_loss_spikes` loss spikes (spike-monitor events on the loss) after warm-up;
-4. its final validation loss is within `delta` nats of the variant's best: the lowest final validation loss of the
-   variant's trials that pass 1-3 (any LR, any seed).
+4. its final validation loss is within `delta` nats of the reference: by default the variant's best (the lowest
+   final validation loss of the variant's trials that pass 1-3, any LR, any seed), or a fixed `reference` in nats.
+   The best moves with the trials that happen to exist (the luckiest seed sets it); a fixed reference does not, so
+   a trial's verdict is the same in a search, in a grid and in any round.
 
 An LR point is **healthy** when at least `min_healthy_seeds` of its seeds are (default: all of them) and
 **unhealthy** once more than `seeds - min_healthy_seeds` are not; in between it is undecided (more seeds needed).
+With `decisive` (nats), a point is also decided by the seeds run so far when every one of them is on the same side
+of the threshold by more than that margin (a sequential test: the remaining seeds are skipped where the seed spread
+could not change the answer).
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ HEALTHY, UNHEALTHY = "healthy", "unhealthy"
 class HealthRule:
     """The stated rule; `validate` refuses one that no trial could ever pass."""
 
-    delta: float = 0.5  # nats above the variant's best final validation loss
+    delta: float = 0.5  # nats above the reference final validation loss
     max_loss_spikes: int = 0  # loss spikes allowed after warm-up
     min_healthy_seeds: int | None = None  # None: every seed
+    reference: float | None = None  # nats; None: the variant's best trial
+    decisive: float | None = None  # nats from the threshold that decide a point on the seeds run so far
 
     def validate(self, seeds: int) -> None:
         """ConfigError naming the value when the rule can never pass (or is not a number)."""
@@ -45,6 +52,18 @@ class HealthRule:
             raise ConfigError(
                 f"--max-loss-spikes {self.max_loss_spikes} can never pass: a trial has at least 0 spikes; give >= 0"
             )
+        for flag, value in (("--reference", self.reference), ("--decisive", self.decisive)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ConfigError(f"{flag} {value!r} must be a number of nats")
+            if value is not None and not math.isfinite(value):
+                raise ConfigError(f"{flag} {value!r} must be a finite number of nats")
+        if self.reference is not None and self.reference + self.delta <= 0:
+            raise ConfigError(
+                f"--reference {self.reference:g} + --delta {self.delta:g} can never pass: a validation loss is > 0; "
+                "give a reference above 0 nats"
+            )
+        if self.decisive is not None and self.decisive < 0:
+            raise ConfigError(f"--decisive {self.decisive:g} must be >= 0 nats (omit it: every seed is run)")
         m = self.min_healthy_seeds
         if m is not None and not 1 <= m <= seeds:
             raise ConfigError(
@@ -56,15 +75,28 @@ class HealthRule:
     def required(self, seeds: int) -> int:
         return seeds if self.min_healthy_seeds is None else self.min_healthy_seeds
 
+    def threshold(self, best: float | None) -> float | None:
+        """The highest final validation loss that passes (None: no reference yet)."""
+        if self.reference is not None:
+            return self.reference + self.delta
+        return None if best is None else best + self.delta
+
     def describe(self) -> str:
         seeds = (
             "all its seeds are" if self.min_healthy_seeds is None else f"at least {self.min_healthy_seeds} seeds are"
         )
-        return (
+        ref = "the variant's best" if self.reference is None else f"the fixed reference {self.reference:g}"
+        text = (
             f"healthy = ran every step (no early stop, no monitor abort), not diverged, <= {self.max_loss_spikes} "
-            f"loss spikes after warm-up, final validation loss <= the variant's best + {self.delta:g} nats; "
+            f"loss spikes after warm-up, final validation loss <= {ref} + {self.delta:g} nats; "
             f"an LR is healthy when {seeds}"
         )
+        if self.decisive is not None:
+            text += (
+                f" (or, before the other seeds run, when every seed run there is more than {self.decisive:g} nats "
+                "on the same side of the threshold)"
+            )
+        return text
 
 
 @dataclass(frozen=True)
@@ -92,7 +124,7 @@ def best_loss(outcomes: Iterable[TrialOutcome], rule: HealthRule) -> float | Non
 
 
 def verdict(outcome: TrialOutcome, best: float | None, rule: HealthRule) -> tuple[str, str]:
-    """(HEALTHY or UNHEALTHY, why) for one trial, against the variant's best."""
+    """(HEALTHY or UNHEALTHY, why) for one trial, against the rule's reference (the variant's best by default)."""
     if not outcome.completed:
         return UNHEALTHY, outcome.reason or f"stopped at step {outcome.steps}"
     if outcome.diverged:
@@ -101,8 +133,10 @@ def verdict(outcome: TrialOutcome, best: float | None, rule: HealthRule) -> tupl
         return UNHEALTHY, f"{outcome.loss_spikes} loss spikes after warm-up > {rule.max_loss_spikes}"
     if outcome.valid_loss is None or not math.isfinite(outcome.valid_loss):
         return UNHEALTHY, "no final validation loss"
-    if best is not None and outcome.valid_loss > best + rule.delta:
-        return UNHEALTHY, (f"final validation loss {outcome.valid_loss:.4f} > best {best:.4f} + delta {rule.delta:g}")
+    limit = rule.threshold(best)
+    if limit is not None and outcome.valid_loss > limit:
+        ref = f"best {best:.4f}" if rule.reference is None else f"reference {rule.reference:g}"
+        return UNHEALTHY, f"final validation loss {outcome.valid_loss:.4f} > {ref} + delta {rule.delta:g}"
     return HEALTHY, f"final validation loss {outcome.valid_loss:.4f}"
 
 
@@ -116,12 +150,30 @@ class PointStatus:
     fails: int
 
 
-def point_status(verdicts: Mapping[int, str], seeds: int, rule: HealthRule) -> PointStatus:
-    """Status of one LR from the verdicts of the seeds run there (seed -> HEALTHY/UNHEALTHY)."""
+def decisive_side(losses: Iterable[float | None], threshold: float | None, rule: HealthRule) -> str | None:
+    """HEALTHY/UNHEALTHY when every seed run at a point is more than `rule.decisive` nats on that side of the
+    threshold (a trial without a final validation loss counts as decisively unhealthy); else None."""
+    if rule.decisive is None or threshold is None:
+        return None
+    losses = list(losses)
+    if losses and all(x is not None and x <= threshold - rule.decisive for x in losses):
+        return HEALTHY
+    if losses and all(x is None or x > threshold + rule.decisive for x in losses):
+        return UNHEALTHY
+    return None
+
+
+def point_status(verdicts: Mapping[int, str], seeds: int, rule: HealthRule, decisive: str | None = None) -> PointStatus:
+    """Status of one LR from the verdicts of the seeds run there (seed -> HEALTHY/UNHEALTHY); `decisive`: the side
+    every seed run there is decisively on (`decisive_side`), which decides the point without the other seeds."""
     passes = sum(v == HEALTHY for v in verdicts.values())
     fails = len(verdicts) - passes
     need = rule.required(seeds)
     decided = HEALTHY if passes >= need else UNHEALTHY if fails > seeds - need else None
+    if decided is None and decisive == HEALTHY and fails == 0:
+        decided = HEALTHY
+    elif decided is None and decisive == UNHEALTHY and passes == 0:
+        decided = UNHEALTHY
     leaning = None if not verdicts else decided or (HEALTHY if passes > fails else UNHEALTHY)
     return PointStatus(decided, leaning, passes, fails)
 
@@ -133,6 +185,7 @@ __all__ = [
     "PointStatus",
     "TrialOutcome",
     "best_loss",
+    "decisive_side",
     "point_status",
     "verdict",
 ]

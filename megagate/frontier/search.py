@@ -5,6 +5,8 @@ Points live in log-LR between the bounds `lo` and `hi`. The search, recomputed f
 an interrupted search resumes by simply planning again):
 
 1. anchor: the first seed at `lo` alone (its curve is the reference the next rounds' trials are stopped against);
+   with a fixed reference (`HealthRule.reference`) `lo` is assumed healthy instead and run only when the bisection
+   ends next to it;
 2. coarse: the first seed at the other `coarse` points, log-spaced up to `hi`;
 3. bisection on the first seed's verdicts: `u` = the smallest unhealthy LR above the lowest healthy one, `h` = the
    largest healthy LR below `u`; while log10(u/h) > `resolution` decades, run the geometric mean of h and u;
@@ -22,7 +24,16 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from megagate.frontier.rule import HEALTHY, UNHEALTHY, HealthRule, PointStatus, TrialOutcome, best_loss, point_status
+from megagate.frontier.rule import (
+    HEALTHY,
+    UNHEALTHY,
+    HealthRule,
+    PointStatus,
+    TrialOutcome,
+    best_loss,
+    decisive_side,
+    point_status,
+)
 from megagate.frontier.rule import verdict as trial_verdict
 
 EPS = 1e-4  # decades: LRs are rounded to 6 significant digits
@@ -93,9 +104,15 @@ def judge(
     best = best_loss(outcomes.values(), rule)
     verdicts = {key: trial_verdict(o, best, rule) for key, o in outcomes.items()}
     by_lr: dict[float, dict[int, str]] = {}
+    losses: dict[float, list[float | None]] = {}
     for (lr, seed), (v, _) in verdicts.items():
         by_lr.setdefault(lr, {})[seed] = v
-    return {lr: point_status(vs, len(seeds), rule) for lr, vs in by_lr.items()}, verdicts
+        o = outcomes[(lr, seed)]
+        losses.setdefault(lr, []).append(o.valid_loss if o.passes_absolute else None)
+    limit = rule.threshold(best)
+    return {
+        lr: point_status(vs, len(seeds), rule, decisive_side(losses[lr], limit, rule)) for lr, vs in by_lr.items()
+    }, verdicts
 
 
 def bracket_of(status: Mapping[float, PointStatus]) -> tuple[Bracket, tuple[str, ...]]:
@@ -136,15 +153,21 @@ def plan_variant(
     """The next trials of one variant (none: done) from its outcomes so far, keyed by (lr, seed)."""
     first = seeds[0]
     points = coarse_points(lo, hi, coarse)
-    if (points[0], first) not in outcomes:
+    # A fixed reference needs no anchor: the lower bound is assumed healthy and run only if the bracket ends on it.
+    lazy = rule.reference is not None and (points[0], first) not in outcomes
+    if (points[0], first) not in outcomes and not lazy:
         return Plan(((points[0], first),), Bracket(None, None), "anchor")
     missing = [(lr, first) for lr in points[1:] if (lr, first) not in outcomes]
     if missing:
         return Plan(tuple(missing), Bracket(None, None), "coarse")
     status, _ = judge(outcomes, seeds, rule)
+    if lazy:
+        status[points[0]] = PointStatus(HEALTHY, HEALTHY, 0, 0)  # assumed, not run
     bracket, notes = bracket_of(status)
     h, u = bracket.healthy, bracket.unhealthy
     n, need = len(seeds), rule.required(len(seeds))
+    if lazy and h == points[0] and (u is None or decades(h, u) <= resolution + EPS):
+        return Plan(((points[0], first),), bracket, "anchor", notes)  # the bracket ends on the assumption: test it
     if h is None:  # nothing healthy: make sure the lowest point really is unhealthy
         s = status[u]
         if s.decided is None:
