@@ -54,6 +54,23 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory, session_demo_dir: Pa
     return out
 
 
+# --- two workers (pytest-xdist, `make test`'s -n 2 --dist loadgroup) ---------------------------------------------------
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """One xdist group per test module, so a module's tests share one worker and its module-scoped runs are made
+    once; every Slurm test in one group, since a session starts one local cluster and its tests expect it idle."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        slurm = item.get_closest_marker("slurm") is not None or item.path.parent.name == "slurm"
+        item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.nodeid.split("::")[0]))
+
+
+def _xdist_controller(config: pytest.Config) -> bool:
+    """The process that only hands tests to xdist's workers (each worker checks its own leftovers)."""
+    return bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+
+
 # --- no process outlives the session ---------------------------------------------------------------------------------
 # Every process the tests start inherits this marker (subprocess env copies os.environ, spawn and fork children
 # too), so leftovers are found even after they were reparented to init; other sessions on the machine have their own.
@@ -157,6 +174,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
     from helpers import forked
 
+    if _xdist_controller(session.config):
+        return
     forked.stop_server()
     deadline = time.monotonic() + 10
     left = session_leftovers()

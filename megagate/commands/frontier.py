@@ -13,6 +13,7 @@ written or submitted (bad input: one line, exit 2).
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -73,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lo = parser.add_argument_group("local")
     lo.add_argument("--workers", type=int, default=None, help="trials at once (default: GPUs, else cores/threads)")
     lo.add_argument("--threads", type=int, default=1, help="CPU threads per trial (OMP_NUM_THREADS, default 1)")
+    parser.add_argument(
+        "--python", default=sys.executable, help="the python (and so the megagate) the trials run (default: this one)"
+    )
     sl = parser.add_argument_group("slurm")
     sl.add_argument("--slurm", action="store_true", help="run each round as a job array, chained by driver jobs")
     sl.add_argument("--nodes", type=int, default=1, help="nodes per trial")
@@ -85,7 +89,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sl.add_argument("--qos")
     sl.add_argument("--job-name", default="frontier")
     sl.add_argument("--max-parallel", type=int, default=None, help="array tasks running at once")
-    sl.add_argument("--python", default=sys.executable, help="the python of the jobs (default: this one)")
     sl.add_argument("--venv", default=None)
     sl.add_argument("--master-addr", default=None)
     sl.add_argument("--signal-lead", type=int, default=300, help="SIGUSR1 this long before a trial's time limit")
@@ -129,7 +132,9 @@ def _backend(args: argparse.Namespace) -> dict:
             raise ConfigError(f"--workers {args.workers} must be >= 1")
         if args.threads < 1:
             raise ConfigError(f"--threads {args.threads} must be >= 1")
-        return {"kind": "local", "workers": args.workers, "threads": args.threads}
+        if not os.access(args.python, os.X_OK) or os.path.isdir(args.python):
+            raise ConfigError(f"--python {args.python}: not an executable file")
+        return {"kind": "local", "workers": args.workers, "threads": args.threads, "python": args.python}
     from megagate.frontier import slurm
     from megagate.slurm import SlurmRequest
     from megagate.slurm.request import parse_time_limit
@@ -225,7 +230,8 @@ def _run_local(out: Path, state: state_mod.FrontierState) -> None:
             state_mod.save(out, st)
 
         jobs = [
-            (n, [*driver.python_command(), "--config", st.spec.config, *rnd["overrides"][n]]) for n in rnd["trials"]
+            (n, [*driver.python_command(backend.get("python")), "--config", st.spec.config, *rnd["overrides"][n]])
+            for n in rnd["trials"]
         ]
         rnd["exit_codes"] = run_pool(jobs, out / "logs", workers, threads, gpus[:workers], on_start=started)
         state_mod.save(out, st)

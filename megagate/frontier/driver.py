@@ -157,9 +157,9 @@ def advance(out: Path, launcher: Callable[[FrontierState, dict], None], interrup
     return False
 
 
-def python_command() -> list[str]:
-    """How a trial's `megagate train` is started: this interpreter, this package."""
-    return [sys.executable, "-m", "megagate", "train"]
+def python_command(python: str | None = None) -> list[str]:
+    """How a trial's `megagate train` is started: `python` (default this interpreter) and the megagate it imports."""
+    return [python or sys.executable, "-m", "megagate", "train"]
 
 
 __all__ = ["advance", "harvest", "next_round", "open_round", "rung_reference", "variant_plans"]

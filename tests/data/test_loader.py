@@ -151,7 +151,10 @@ def test_mock_datasets():
 def test_build_with_initialised_process_group(two_prefixes, small_tok, tmp_path):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    # the session's megatron world (tests/conftest.py) may already hold the default group in this process
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         train, _, _ = build_datasets(
             [two_prefixes[1]],
@@ -163,7 +166,8 @@ def test_build_with_initialised_process_group(two_prefixes, small_tok, tmp_path)
         )
         assert len(train) >= 50 and next(iter(build_loader(train, 2)))["tokens"].shape == (2, 32)
     finally:
-        dist.destroy_process_group()
+        if own:
+            dist.destroy_process_group()
 
 
 def test_loader_argument_errors(train_ds):

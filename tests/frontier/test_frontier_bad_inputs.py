@@ -34,6 +34,8 @@ CASES = [
         f"{FR} --lr-range 1e-3:1 train.exit_after_steps=3",
         "train.exit_after_steps=3 < train.train_steps=60",
     ),
+    ("never-pass-reference", f"{FR} --lr-range 1e-3:1 --reference -1", "--reference -1 + --delta 0.5 can never pass"),
+    ("negative-decisive", f"{FR} --lr-range 1e-3:1 --decisive -0.2", "--decisive -0.2 must be >= 0 nats"),
     ("margin-below-delta", f"{FR} --lr-range 1e-3:1 --margin 0.1", "--margin 0.1 is below --delta 0.5"),
     ("resolution-zero", f"{FR} --lr-range 1e-3:1 --resolution 0", "--resolution 0 must be a positive"),
     ("owned-override", f"{FR} --lr-range 1e-3:1 train.lr=1", "train.lr is set per trial"),

@@ -4,6 +4,7 @@ driven by synthetic trial outcomes: where the bracket ends, which trials it asks
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -121,6 +122,59 @@ def test_non_monotone_response_is_noted_first_failure_wins():
     assert notes == ("healthy again above 0.1 at 1 (not used: first failure wins)",)
 
 
+FIXED = HealthRule(delta=0.5, reference=4.9)
+
+
+def test_fixed_reference_runs_no_anchor_and_judges_each_trial_alone():
+    plan, rounds, outcomes = search(world(0.05), rule=FIXED)
+    # the lower bound is assumed healthy and never run: the bracket does not end next to it
+    assert [p for p, _ in rounds] == ["coarse", "bisect", "bisect", "bisect", "confirm"]
+    assert rounds[0][1] == ((1.0, 0),)
+    assert (0.01, 0) not in outcomes and len(outcomes) == 6
+    assert (plan.bracket.healthy, plan.bracket.unhealthy) == (0.0316228, 0.0562341)
+    # the verdict names the fixed reference, and does not move when a better trial appears
+    worse = {(0.1, 0): TrialOutcome(300, True, valid_loss=5.45)}
+    assert judge(worse, (0,), FIXED)[1][(0.1, 0)] == (
+        UNHEALTHY,
+        "final validation loss 5.4500 > reference 4.9 + delta 0.5",
+    )
+    worse[(0.01, 0)] = TrialOutcome(300, True, valid_loss=4.0)  # 1.45 above this best, still 0.05 above 5.4
+    assert judge(worse, (0,), FIXED)[1][(0.1, 0)][0] == UNHEALTHY
+    worse[(0.1, 0)] = TrialOutcome(300, True, valid_loss=5.39)  # 1.39 above the best, within the fixed reference
+    assert judge(worse, (0,), FIXED)[1][(0.1, 0)] == (HEALTHY, "final validation loss 5.3900")
+
+
+def test_fixed_reference_tests_the_lower_bound_when_the_bracket_ends_on_it():
+    plan, rounds, _ = search(world(0.012), rule=FIXED)
+    # 1, 0.1, 0.0316, 0.0178 fail: the bracket (lo, 0.0178) is a quarter decade, so lo itself is run, then confirmed
+    assert [r for _, r in rounds[1:4]] == [((0.1, 0),), ((0.0316228, 0),), ((0.0177828, 0),)]
+    assert rounds[4] == ("anchor", ((0.01, 0),))
+    assert rounds[5] == ("confirm", ((0.01, 1), (0.01, 2)))
+    assert (plan.bracket.healthy, plan.bracket.unhealthy) == (0.01, 0.0177828)
+    plan, rounds, _ = search(world(1e-3), rule=FIXED)
+    assert rounds[-1] == ("anchor", ((0.01, 0),))
+    assert (plan.bracket.healthy, plan.bracket.unhealthy) == (None, 0.01)
+
+
+def test_decisive_seeds_skip_the_confirmation():
+    # every seed of world() ends at 4.9-4.96, more than 0.3 below the threshold 5.4: the first seed decides
+    rule = HealthRule(delta=0.5, reference=4.9, decisive=0.3)
+    plan, rounds, outcomes = search(world(0.05), rule=rule)
+    assert [p for p, _ in rounds] == ["coarse", "bisect", "bisect", "bisect"]
+    assert len(outcomes) == 4 and (plan.bracket.healthy, plan.bracket.unhealthy) == (0.0316228, 0.0562341)
+    # 0.25 below the threshold is not decisive: the other seeds still run, and a failing one decides the point
+    near = {(0.03, 0): TrialOutcome(300, True, valid_loss=5.15)}
+    status, _ = judge(near, SEEDS, rule)
+    assert status[0.03].decided is None
+    near[(0.03, 1)] = TrialOutcome(300, True, valid_loss=5.41)
+    assert judge(near, SEEDS, rule)[0][0.03].decided == UNHEALTHY
+    # decisively bad on one seed decides unhealthy even under a majority rule
+    majority = HealthRule(delta=0.5, reference=4.9, decisive=0.3, min_healthy_seeds=2)
+    bad = {(0.3, 0): TrialOutcome(300, True, valid_loss=5.9)}
+    assert judge(bad, SEEDS, majority)[0][0.3].decided == UNHEALTHY
+    assert judge({(0.3, 0): TrialOutcome(300, True, valid_loss=5.6)}, SEEDS, majority)[0][0.3].decided is None
+
+
 def test_point_status_counts():
     rule = HealthRule()
     assert point_status({0: HEALTHY}, 3, rule).decided is None
@@ -136,10 +190,13 @@ def test_point_status_counts():
         (HealthRule(max_loss_spikes=-1), 3, "--max-loss-spikes -1 can never pass"),
         (HealthRule(min_healthy_seeds=4), 3, "--min-healthy-seeds 4 can never pass with 3 seed(s)"),
         (HealthRule(min_healthy_seeds=0), 3, "--min-healthy-seeds 0 must be at least 1"),
+        (HealthRule(reference=-0.6), 3, "--reference -0.6 + --delta 0.5 can never pass"),
+        (HealthRule(reference=math.inf), 3, "--reference inf must be a finite number of nats"),
+        (HealthRule(decisive=-1.0), 3, "--decisive -1 must be >= 0 nats"),
     ],
 )
 def test_rules_that_can_never_pass_are_refused(rule, seeds, message):
-    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
         rule.validate(seeds)
 
 
