@@ -1,6 +1,9 @@
 # The two set-up commands of the README: `make demo` and `make test`. Both build (or reuse) the environment first.
 PY := .venv/bin/python
 PYTEST_ARGS ?=
+# pytest-xdist workers: a test module's tests stay together, the Slurm tests share one (tests/conftest.py)
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: env demo test test-fast test-gpu gpu-wheels check format clean
 
@@ -11,10 +14,10 @@ demo: env
 	$(PY) -m megagate demo
 
 test: env
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS) tests
 
 test-fast: env
-	$(PY) -m pytest -q -m "not slow and not slurm" $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not slurm" $(PYTEST_ARGS) tests
 
 # The GPU tests on a GPU machine as it comes (python3 with torch and CUDA, no registry: no bootstrap here);
 # megatron-core from the machine, else from the carried .whl/ (`make gpu-wheels`), installed under /tmp.

@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 # --cpu-durations=N / --cpu-durations-json=PATH: per-test CPU seconds, comparable across machine loads
-from helpers.cpu_durations import pytest_addoption, pytest_runtest_protocol, pytest_terminal_summary  # noqa: F401
+from helpers.cpu_durations import (  # noqa: F401
+    pytest_addoption,
+    pytest_runtest_logreport,
+    pytest_runtest_makereport,
+    pytest_runtest_protocol,
+    pytest_terminal_summary,
+)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 warnings.filterwarnings("ignore")

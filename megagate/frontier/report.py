@@ -178,11 +178,14 @@ def _layout(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _seeds(status: dict[float, PointStatus], lr: float | None) -> str:
+def _seeds(status: dict[float, PointStatus], lr: float | None, spec: FrontierSpec) -> str:
     if lr is None or lr not in status:
         return "-"
     s = status[lr]
-    return f"{s.passes}/{s.passes + s.fails} healthy" + ("" if s.decided else " (undecided)")
+    seeds, need = len(spec.seeds), spec.rule.required(len(spec.seeds))
+    by_count = s.passes >= need or s.fails > seeds - need
+    note = " (undecided)" if not s.decided else "" if by_count else " (decisive)"
+    return f"{s.passes}/{s.passes + s.fails} healthy{note}"
 
 
 def text_report(state: FrontierState, out: Path, grid: GridResult | None = None) -> tuple[str, dict[str, Any]]:
@@ -220,8 +223,8 @@ def text_report(state: FrontierState, out: Path, grid: GridResult | None = None)
                 ("-" if b.healthy is None else (">= " if b.unhealthy is None else "") + f"{b.healthy:.3g}"),
                 b.describe(),
                 _fmt(b.width, ".3g"),
-                _seeds(r.status, b.healthy),
-                _seeds(r.status, b.unhealthy),
+                _seeds(r.status, b.healthy, spec),
+                _seeds(r.status, b.unhealthy, spec),
                 str(len(r.rows)),
                 str(r.stopped_early),
                 f"{r.spent:,}",

@@ -76,6 +76,15 @@ def test_bad_frontier_input_is_one_line_and_nothing_runs(case, slurm, tmp_path, 
     assert not recording_sbatch.exists()  # nothing submitted
 
 
+def test_a_local_trial_python_that_cannot_run_is_refused(tmp_path, capsys, monkeypatch):
+    """Locally the trials' interpreter is checked at once (on Slurm it is a path on the compute nodes)."""
+    monkeypatch.chdir(tmp_path)
+    rc = main([*f"{FR} --lr-range 1e-3:1 --python {tmp_path}".format(work=tmp_path).split()])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == f"megagate frontier: error: --python {tmp_path}: not an executable file\n", err
+    assert not (tmp_path / "fr").exists()
+
+
 def test_dry_run_prints_round_one_and_writes_nothing(tmp_path, capsys, monkeypatch, recording_sbatch):
     tmp_path = tmp_path / "work"
     tmp_path.mkdir()

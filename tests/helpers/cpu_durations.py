@@ -3,7 +3,8 @@
 Wall times (`--durations`) on a shared 2-core machine grow with whoever else is running; CPU seconds do not, so
 they compare runs made at different loads. Each test's time covers its setup, call and teardown: a module- or
 session-scoped fixture is paid by the first test that asks for it, as in `--durations`.
-`--cpu-durations-json=PATH` also writes every test's {nodeid: [wall s, cpu s]} there.
+`--cpu-durations-json=PATH` also writes every test's {nodeid: [wall s, cpu s]} there. Under pytest-xdist each
+worker measures its own tests and the figures travel to the controller in the teardown reports.
 """
 
 from __future__ import annotations
@@ -45,11 +46,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--cpu-durations-json", default=None, metavar="PATH", help="write every test's wall/CPU s")
 
 
+_started: dict[str, tuple[float, float]] = {}
+KEY = "cpu_durations"  # the report property that carries (wall, cpu) from an xdist worker to the controller
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    wall, cpu = time.perf_counter(), _cpu()
+    _started[item.nodeid] = (time.perf_counter(), _cpu())
     yield
-    _times[item.nodeid] = (time.perf_counter() - wall, _cpu() - cpu)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    if call.when == "teardown" and item.nodeid in _started:
+        wall, cpu = _started.pop(item.nodeid)
+        outcome.get_result().user_properties.append((KEY, (time.perf_counter() - wall, _cpu() - cpu)))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Collects the figures where the summary is printed (the controller, under pytest-xdist)."""
+    if report.when == "teardown":
+        for key, value in report.user_properties:
+            if key == KEY:
+                _times[report.nodeid] = (float(value[0]), float(value[1]))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
