@@ -158,8 +158,9 @@ def advance(out: Path, launcher: Callable[[FrontierState, dict], None], interrup
 
 
 def python_command(python: str | None = None) -> list[str]:
-    """How a trial's `megagate train` is started: `python` (default this interpreter) and the megagate it imports."""
-    return [python or sys.executable, "-m", "megagate", "train"]
+    """How a trial's `megagate train` is started: `python` (default this interpreter) and the megagate it imports —
+    its own installed one: -P keeps `-m` from putting the working directory (another checkout, say) first."""
+    return [python or sys.executable, "-P", "-m", "megagate", "train"]
 
 
 __all__ = ["advance", "harvest", "next_round", "open_round", "rung_reference", "variant_plans"]
