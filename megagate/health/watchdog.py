@@ -297,6 +297,9 @@ def start(cfg: WatchdogConfig, run_dir: str | os.PathLike) -> Watchdog | None:
 
     initialized = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
+    # setup's age counts from this run's start, not from the import of progress (a long-lived or forked process:
+    # an API user's second run, a pre-loaded fork server's child)
+    PROGRESS.reset()
     dog = Watchdog(cfg, run_dir, rank, world, agreed_launch_name())
     dog.start()
     global _current
