@@ -2,7 +2,7 @@
 
 One panel per variant (shared y): the final validation loss of every trial that ran every step (one marker per
 seed, healthy filled, unhealthy open), trials stopped early as crosses at their last training loss (labelled with
-the rule), the variant's best + delta as a dotted line, the healthy side of the bracket shaded up to h and the
+the rule), the rule's threshold (the variant's best or the fixed reference, + delta) as a dotted line, the healthy side of the bracket shaded up to h and the
 bracket (h, u) hatched.
 """
 
@@ -50,8 +50,9 @@ def plot_frontier(state: FrontierState, results: Sequence[Any], path: str | Path
                     ax.annotate(
                         row["outcome"][9:], (row["lr"], y), fontsize=6, xytext=(3, 3), textcoords="offset points"
                     )
-        if r.best is not None:
-            ax.axhline(r.best + spec.rule.delta, ls=":", color="gray", lw=1)
+        limit = spec.rule.threshold(r.best)
+        if limit is not None:
+            ax.axhline(limit, ls=":", color="gray", lw=1)
         b = r.bracket
         if b.healthy is not None:
             ax.axvspan(spec.lo, b.healthy, color="green", alpha=0.08, lw=0)
@@ -64,8 +65,9 @@ def plot_frontier(state: FrontierState, results: Sequence[Any], path: str | Path
         ax.set_xlabel("peak learning rate")
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("final validation loss\n(x: last training loss, stopped early)")
+    ref = "best" if spec.rule.reference is None else f"{spec.rule.reference:g}"
     fig.suptitle(
-        f"stability frontier: healthy up to the green line, bracket hatched\ndotted: best + {spec.rule.delta:g}; "
+        f"stability frontier: healthy up to the green line, bracket hatched\ndotted: {ref} + {spec.rule.delta:g}; "
         f"seeds {','.join(map(str, spec.seeds))} by colour; open = unhealthy",
         fontsize=8,
         y=1.04,
