@@ -153,8 +153,8 @@ def calibrate(budget_s: float = 110.0, ranks: int = 2, log: Callable[[str], None
     log(
         f"calibrate: the trainer's steps: {host.per_layer * 1e3:.2f} ms per layer and micro-batch, "
         f"{host.per_microbatch * 1e3:.2f} ms per micro-batch, {host.per_step * 1e3:.2f} ms per step of host "
-        f"overhead; inside a step the GEMMs take {scales['gemm_scale']:.2f}x and the other kernels "
-        f"{scales['work_scale']:.2f}x their curves' time"
+        f"overhead; inside a step the GEMMs take {scales['gemm_scale']:.2f}x, attention "
+        f"{scales['attention_scale']:.2f}x and the memory-bound work {scales['work_scale']:.2f}x their curves' time"
     )
     log(f"calibrate: done in {deadline.elapsed():.0f} s")
     return p
@@ -173,13 +173,16 @@ def _framework(provisional: DeviceProfile, precision: str, deadline: Deadline) -
         modelled[name] = {}
         for m in (1, 2):
             cfg = framework.config("unused", variant, precision, "auto", micro_batches=m, environment=False)
-            # the step's time is linear in the GEMMs' and the rest's scales: two plans split it into the two
+            # the step's time is linear in the scales: a plan per scale doubled splits it into GEMMs, attention
+            # and the rest
             both = plan(cfg, 1, provisional, gpus_per_node=1).time.total
-            slow = dataclasses.replace(provisional, gemm_scale=2.0)
-            gemm = plan(cfg, 1, slow, gpus_per_node=1).time.total - both
-            modelled[name][m] = (gemm, both - gemm)
+            parts = []
+            for key in framework.SCALES[:-1]:
+                slow = dataclasses.replace(provisional, **{key: 2.0})
+                parts.append(plan(cfg, 1, slow, gpus_per_node=1).time.total - both)
+            modelled[name][m] = (*parts, both - sum(parts))
     values, notes = framework.solve(measured, modelled, fit_scale=provisional.kind == "cpu")
-    scales = {k: values.pop(k) for k in ("gemm_scale", "work_scale")}
+    scales = {k: values.pop(k) for k in framework.SCALES}
     provisional.samples["framework"] = {"measured": measured, "modelled": modelled, **scales}
     host = Host(**values, serial=provisional.kind == "cpu", moe_sync=0.0 if provisional.kind == "cpu" else 0.65e-3)
     return host, scales, notes

@@ -1,22 +1,21 @@
-"""The trainer's own overheads on this machine, and how fast the device work runs inside its steps: steps of
-megagate's trainer (megatron's schedule, DDP, the distributed optimizer, mock data) on tiny models, where the
-kernels' work is small next to the framework's, and on two larger ones, where it is not.
+"""The trainer's own overheads on this machine, and how fast its kernels run inside its steps: steps of megagate's
+trainer (megatron's schedule, DDP, the distributed optimizer, mock data) on tiny models, where the kernels' work is
+small next to the framework's, and on four 1-layer models whose work dominates their steps.
 
 Variants (1 process): a dense baseline of 1 and 2 layers, a G1-gated and two MoE models (2 and 4 local experts) of 1
-layer, tiny; three 1-layer models whose work dominates their steps: one of GEMMs (hidden 256, 256 tokens per
-micro-batch, a 256 vocabulary), one of attention and the loss (256 tokens of one sequence, a 2048 vocabulary), one of
-two experts; each stepped with 1 and 2 micro-batches. With G and R the modelled device work of the GEMMs and of the
-rest (attention, memory-bound work: the planner's own estimate with the measured kernel curves, no overheads), the
-step is
+layer, tiny; one model whose work is mostly GEMMs (hidden 256, 256 tokens per micro-batch, a 256 vocabulary), one
+mostly attention (one sequence of 512), one mostly the loss (a 4096 vocabulary), one of two experts; each stepped
+with 1 and 2 micro-batches. With G, A and R the modelled device seconds of the GEMMs, of attention and of the
+memory-bound rest (the planner's own estimate with the measured kernel curves and no overheads), the step is
 
-    step = gemm_scale x G + work_scale x R + per_step + L x per_layer_step
+    step = gemm_scale x G + attention_scale x A + work_scale x R + per_step + L x per_layer_step
            + M x (per_microbatch + L x (per_layer [+ gate] [+ moe + E x per_expert]))
 
-which the sixteen timings determine by a non-negative least-squares fit. The scales are what the kernels' curves,
+which the eighteen timings determine by a non-negative least-squares fit. The scales are what the kernels' curves,
 measured alone with their operands hot in cache, miss inside a step (on a CPU the kernels run between the
 framework's other work, on operands it evicted, and the loss's softmax is exp-bound rather than bytes-bound): the
 tiny variants fix the overheads, the larger ones the scales. On a GPU the host runs ahead of the device (the step is
-not this sum), so there the scales stay 1 and the overheads are fitted to the step minus G + R.
+not this sum), so there the scales stay 1 and the overheads are fitted to the step minus the modelled work.
 """
 
 from __future__ import annotations
@@ -31,7 +30,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "dense-1": {"num_layers": 1},
     "dense-2": {"num_layers": 2},
     "work-gemm-1": {"num_layers": 1, "work": "gemm"},
-    "work-rest-1": {"num_layers": 1, "work": "rest"},
+    "work-attention-1": {"num_layers": 1, "work": "attention"},
+    "work-loss-1": {"num_layers": 1, "work": "loss"},
     "work-moe2-1": {"num_layers": 1, "num_experts": 2, "work": "moe"},
     "gate-1": {"num_layers": 1, "gate": "g1-elementwise"},
     "moe2-1": {"num_layers": 1, "num_experts": 2},
@@ -52,12 +52,13 @@ def config(
     from megagate import config_reader
 
     experts = variant.get("num_experts", 0)
-    # (sequence, micro-batch, vocabulary, model fields) of the tiny variants and of the three whose work dominates:
-    # one of GEMMs, one of attention and the loss, one of experts
+    # (sequence, micro-batch, vocabulary, model fields) of the tiny variants and of the four whose work dominates:
+    # one of GEMMs, one of attention, one of the loss (and the output layer), one of experts
     seq, micro_batch, vocab, shape = {
         None: (16, 1, 128, {}),
         "gemm": (32, 8, 256, {"hidden_size": 256, "head_dim": 64, "ffn_hidden_size": 768}),
-        "rest": (256, 1, 2048, {}),
+        "attention": (512, 1, 128, {}),
+        "loss": (64, 4, 4096, {}),
         "moe": (128, 2, 1024, {"hidden_size": 128, "head_dim": 32, "moe_ffn_hidden_size": 128}),
     }[variant.get("work")]
     model: dict[str, Any] = {
@@ -125,14 +126,17 @@ def time_variants(precision: str, core_attention: str, until: float, reps: int =
     return {n: {m: statistics.median(v) for m, v in by_m.items()} for n, by_m in times.items()}
 
 
+SCALES = ("gemm_scale", "attention_scale", "work_scale")  # the order of a variant's modelled seconds
+
+
 def solve(
     measured: dict[str, dict[int, float]],
-    modelled: dict[str, dict[int, tuple[float, float]]],
+    modelled: dict[str, dict[int, tuple[float, ...]]],
     fit_scale: bool = True,
 ) -> tuple[dict, list[str]]:
-    """The Host fields, `gemm_scale` and `work_scale` from the timings and the modelled device work, (GEMMs, the
-    rest) seconds (see the module docstring): a non-negative least-squares fit (relative errors), and notes on what
-    came out 0. `fit_scale` False (a GPU): the scales are 1 and the overheads are fitted to the timings minus the
+    """The Host fields and the SCALES from the timings and the modelled device seconds of the GEMMs, attention and
+    the rest (see the module docstring): a non-negative least-squares fit (relative errors), and notes on what came
+    out 0. `fit_scale` False (a GPU): the scales are 1 and the overheads are fitted to the timings minus the
     modelled work."""
     from megagate.plan.curves import nonnegative_least_squares
 
@@ -152,14 +156,14 @@ def solve(
         layers, gate, experts = v["num_layers"], float("gate" in v), v.get("num_experts", 0)
         for m, t in by_m.items():
             row = [1, layers, m, m * layers, m * layers * gate, m * layers * bool(experts), m * layers * experts]
-            gemm, rest = modelled[name][m]
+            work = list(modelled[name][m])
             if fit_scale:
-                rows.append([gemm, rest, *row])
+                rows.append([*work, *row])
                 seconds.append(t)
-            elif t > gemm + rest:  # else the model alone exceeds the measurement: nothing to learn from it
+            elif t > sum(work):  # else the model alone exceeds the measurement: nothing to learn from it
                 rows.append(row)
-                seconds.append(t - gemm - rest)
-    scales = {"gemm_scale": 1.0, "work_scale": 1.0}
+                seconds.append(t - sum(work))
+    scales = dict.fromkeys(SCALES, 1.0)
     if not rows:  # the modelled work alone exceeds every timing (a machine too busy to measure): no overheads
         return {**dict.fromkeys(names, 0.0), **scales}, [
             "host overheads not measured: the modelled work exceeds every timing"
@@ -167,7 +171,7 @@ def solve(
     coef, _ = nonnegative_least_squares(rows, seconds)
     notes = []
     if fit_scale:
-        for key in scales:
+        for key in SCALES:
             scales[key] = coef.pop(0)
             if scales[key] <= 0:  # its larger variant was not measured, or noise: the curves stand as measured
                 scales[key] = 1.0

@@ -111,7 +111,7 @@ def _host_layer(w: Workload, profile: DeviceProfile) -> float:
 
 def step_time(w: Workload, profile: DeviceProfile, ranks_per_node: int = 8) -> StepTime:
     """The step time of workload `w` on the device of `profile` (`ranks_per_node`: ranks sharing a node)."""
-    scales = (profile.gemm_scale, profile.work_scale)
+    scales = (profile.gemm_scale, profile.attention_scale, profile.work_scale)
     profile = profile.scaled_for_ranks(min(ranks_per_node, w.world)).in_step()
     topo = comm.Topology.of(profile, ranks_per_node)
     host = profile.host
@@ -201,17 +201,15 @@ def step_time(w: Workload, profile: DeviceProfile, ranks_per_node: int = 8) -> S
     return st
 
 
-def _notes(w: Workload, profile: DeviceProfile, topo: comm.Topology, scales: tuple[float, float]) -> list[str]:
+def _notes(w: Workload, profile: DeviceProfile, topo: comm.Topology, scales: tuple[float, ...]) -> list[str]:
     h = profile.host
     curve = profile.curve(w.precision)
-    in_step = (
-        ""
-        if scales == (1.0, 1.0)
-        else (
-            f" (the rates inside a step: the calibrated kernels' time x {scales[0]:.2f} for GEMMs, x {scales[1]:.2f} for "
-            "the rest)"
+    in_step = ""
+    if set(scales) != {1.0}:
+        in_step = (
+            f" (the rates inside a step: the calibrated kernels' time x {scales[0]:.2f} for GEMMs, x {scales[1]:.2f}"
+            f" for attention, x {scales[2]:.2f} for memory-bound work)"
         )
-    )
     notes = [
         f"device profile {profile.name} ({profile.source or profile.kind}): {w.precision} GEMMs up to "
         f"{curve.rate / 1e12:.0f} TFLOP/s (half speed at {curve.half:.0f} rows), {w.attention} attention at "

@@ -14,18 +14,24 @@ from megagate.plan import profile as profile_mod
 
 def test_overheads_and_scales_solve_the_hand_made_step_times() -> None:
     """Timings built from known overheads (ms): per step 5, per layer and step 0.5, per micro-batch 3, per layer 2,
-    gate 0.25, MoE block 1, per expert 0.4, and from modelled work that takes 1.6x (GEMMs) and 2.5x (the rest) its
-    modelled time inside a step; the non-negative least-squares fit of the sixteen timings gives them back."""
+    gate 0.25, MoE block 1, per expert 0.4, and from modelled work that takes 1.6x (GEMMs), 1.3x (attention) and 2.5x
+    (the rest) its modelled time inside a step; the non-negative least-squares fit of the eighteen timings gives them
+    back."""
     truth = dict(per_step=5, per_layer_step=0.5, per_microbatch=3, per_layer=2, per_layer_gate=0.25,
                  per_layer_moe=1, per_expert=0.4)  # fmt: skip
-    gemm_scale, work_scale = 1.6, 2.5
-    # modelled (GEMM, rest) ms per micro-batch: small for the tiny variants, dominant for the three larger ones
-    work = {"work-gemm-1": (10.0, 3.0), "work-rest-1": (2.0, 3.0), "work-moe2-1": (3.0, 3.0)}
+    scales = {"gemm_scale": 1.6, "attention_scale": 1.3, "work_scale": 2.5}
+    # modelled (GEMM, attention, rest) ms per micro-batch: small for the tiny variants, dominant for the larger ones
+    work = {
+        "work-gemm-1": (10.0, 1.0, 3.0),
+        "work-attention-1": (1.5, 7.0, 1.0),
+        "work-loss-1": (3.0, 0.5, 5.0),
+        "work-moe2-1": (3.0, 2.0, 3.0),
+    }
 
-    def modelled(name: str, m: int) -> tuple[float, float]:
+    def modelled(name: str, m: int) -> tuple[float, ...]:
         layers = framework.VARIANTS[name]["num_layers"]
-        gemm, rest = work.get(name, (0.1 * layers, 0.3 * layers + 0.05 * len(name)))
-        return m * gemm, m * rest
+        tiny = (0.1 * layers, 0.05 * layers, 0.3 * layers + 0.05 * len(name))
+        return tuple(m * x for x in work.get(name, tiny))
 
     def step(name: str, m: int) -> float:
         v = framework.VARIANTS[name]
@@ -35,20 +41,23 @@ def test_overheads_and_scales_solve_the_hand_made_step_times() -> None:
             + (truth["per_layer_gate"] if "gate" in v else 0)
             + ((truth["per_layer_moe"] + experts * truth["per_expert"]) if experts else 0)
         )
-        gemm, rest = modelled(name, m)
-        return truth["per_step"] + layers * truth["per_layer_step"] + m * per_mb + gemm_scale * gemm + work_scale * rest
+        device = sum(scales[k] * x for k, x in zip(framework.SCALES, modelled(name, m)))
+        return truth["per_step"] + layers * truth["per_layer_step"] + m * per_mb + device
 
     measured = {n: {m: step(n, m) for m in (1, 2)} for n in framework.VARIANTS}
     model = {n: {m: modelled(n, m) for m in (1, 2)} for n in framework.VARIANTS}
     values, notes = framework.solve(measured, model)
     assert notes == []
-    for k, v in {**truth, "gemm_scale": gemm_scale, "work_scale": work_scale}.items():
+    for k, v in {**truth, **scales}.items():
         assert values[k] == pytest.approx(v, rel=1e-6), k
+
     # a GPU's fit: the scales stay 1 and the overheads come from the timings minus the modelled work
-    plain = {n: {m: step(n, m) - (gemm_scale - 1) * model[n][m][0] - (work_scale - 1) * model[n][m][1] for m in (1, 2)}
-             for n in framework.VARIANTS}  # fmt: skip
+    def extra(n: str, m: int) -> float:  # what the scales add over the modelled work
+        return sum((scales[k] - 1) * x for k, x in zip(framework.SCALES, model[n][m]))
+
+    plain = {n: {m: step(n, m) - extra(n, m) for m in (1, 2)} for n in framework.VARIANTS}
     values, notes = framework.solve(plain, model, fit_scale=False)
-    assert values["gemm_scale"] == values["work_scale"] == 1.0
+    assert [values[k] for k in framework.SCALES] == [1.0, 1.0, 1.0]
     for k, v in truth.items():
         assert values[k] == pytest.approx(v, rel=1e-6), k
     # noise that would make an exact solve negative: the non-negative fit keeps every field >= 0 and says which are 0
