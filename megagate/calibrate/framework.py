@@ -89,7 +89,7 @@ def config(
     return config_reader.from_dict(raw, environment=environment)
 
 
-def time_variants(precision: str, core_attention: str, until: float, reps: int = 7) -> dict[str, dict[int, float]]:
+def time_variants(precision: str, core_attention: str, until: float, reps: int = 15) -> dict[str, dict[int, float]]:
     """{variant: {micro-batches: median step seconds}} of the trainer's step (data fetch included, as
     `megagate train` times it), the variants interleaved so that load changes touch them alike."""
     from megatron.core import parallel_state
