@@ -157,6 +157,11 @@ def solve(
         "per_expert",
     ]
     missing = [n for n in VARIANTS if n not in measured]
+    scale_notes = []
+    if fit_scale and any("work" in VARIANTS[n] for n in missing):
+        # the scales need every work-dominated variant (each pins one): without them the curves stand as measured
+        fit_scale = False
+        scale_notes.append("out of time before the work-dominated variants: the in-step scales are 1")
     rows, seconds = [], []
     for name, by_m in measured.items():
         v = VARIANTS[name]
@@ -175,8 +180,13 @@ def solve(
         return {**dict.fromkeys(names, 0.0), **scales}, [
             "host overheads not measured: the modelled work exceeds every timing"
         ]
-    coef, _ = nonnegative_least_squares(rows, seconds)
-    notes = []
+    # a column no measured variant exercises (out of time before it) is left out of the solve, not made singular
+    used = [j for j in range(len(rows[0])) if any(r[j] for r in rows)]
+    fitted, _ = nonnegative_least_squares([[r[j] for j in used] for r in rows], seconds)
+    coef = [0.0] * len(rows[0])
+    for j, v in zip(used, fitted):
+        coef[j] = v
+    notes = scale_notes
     if fit_scale:
         for key in SCALES:
             scales[key] = coef.pop(0)

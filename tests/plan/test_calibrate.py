@@ -60,6 +60,17 @@ def test_overheads_and_scales_solve_the_hand_made_step_times() -> None:
     assert [values[k] for k in framework.SCALES] == [1.0, 1.0, 1.0]
     for k, v in truth.items():
         assert values[k] == pytest.approx(v, rel=1e-6), k
+    # out of time before the work-dominated variants (a small budget): the scales stay 1, the overheads still fitted
+    tiny = [n for n in framework.VARIANTS if "work" not in framework.VARIANTS[n]]
+    values, notes = framework.solve({n: plain[n] for n in tiny}, model)
+    assert [values[k] for k in framework.SCALES] == [1.0, 1.0, 1.0] and "the in-step scales are 1" in notes[0]
+    for k, v in truth.items():
+        assert values[k] == pytest.approx(v, rel=1e-6), k
+    # only the dense pair (the least calibrate measures): its four overheads, the gate's and MoE's left at 0
+    values, notes = framework.solve({n: plain[n] for n in ("dense-1", "dense-2")}, model)
+    for k in ("per_step", "per_layer_step", "per_microbatch", "per_layer"):
+        assert values[k] == pytest.approx(truth[k], rel=1e-6), k
+    assert values["per_layer_gate"] == values["per_layer_moe"] == values["per_expert"] == 0.0
     # noise that would make an exact solve negative: the non-negative fit keeps every field >= 0 and says which are 0
     measured["dense-2"][2] -= 15
     values, notes = framework.solve(measured, model)
