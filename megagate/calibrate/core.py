@@ -139,7 +139,7 @@ def calibrate(budget_s: float = 110.0, ranks: int = 2, log: Callable[[str], None
             raise RuntimeError("no attention kernel could be measured on this CPU: " + "; ".join(notes))
         provisional = _profile(name, kind, memory, gpu, gemm, grouped, attention, bandwidth, intra, local_ranks,
                                alltoall, Host(0, 0, 0, 0, 0, 0, serial=not gpu_run), samples)  # fmt: skip
-        host, host_notes = _framework(provisional, main, deadline)
+        host, scales, host_notes = _framework(provisional, main, deadline)
         notes += host_notes
     samples["notes"] = notes
     samples["load"].append(os.getloadavg()[0])
@@ -149,12 +149,20 @@ def calibrate(budget_s: float = 110.0, ranks: int = 2, log: Callable[[str], None
     samples["cpu_share"] = min(1.0, (time.process_time() - cpu_start) / busy)
     p = _profile(name, kind, memory, gpu, gemm, grouped, attention, bandwidth, intra, local_ranks, alltoall, host,
                  samples)  # fmt: skip
+    p = dataclasses.replace(p, **scales)
+    log(
+        f"calibrate: the trainer's steps: {host.per_layer * 1e3:.2f} ms per layer and micro-batch, "
+        f"{host.per_microbatch * 1e3:.2f} ms per micro-batch, {host.per_step * 1e3:.2f} ms per step of host "
+        f"overhead; inside a step the GEMMs take {scales['gemm_scale']:.2f}x, attention "
+        f"{scales['attention_scale']:.2f}x and the memory-bound work {scales['work_scale']:.2f}x their curves' time"
+    )
     log(f"calibrate: done in {deadline.elapsed():.0f} s")
     return p
 
 
-def _framework(provisional: DeviceProfile, precision: str, deadline: Deadline) -> tuple[Host, list[str]]:
-    """The trainer's overheads: measured steps minus the planner's modelled work with the provisional profile."""
+def _framework(provisional: DeviceProfile, precision: str, deadline: Deadline) -> tuple[Host, dict, list[str]]:
+    """The trainer's overheads and the device work's scales inside its steps (framework.solve): measured steps
+    against the planner's modelled work with the provisional profile."""
     from megagate.plan import plan
 
     measured = framework.time_variants(precision, "auto", time.perf_counter() + 0.8 * deadline.left())
@@ -165,12 +173,19 @@ def _framework(provisional: DeviceProfile, precision: str, deadline: Deadline) -
         modelled[name] = {}
         for m in (1, 2):
             cfg = framework.config("unused", variant, precision, "auto", micro_batches=m, environment=False)
-            modelled[name][m] = plan(cfg, 1, provisional, gpus_per_node=1).time.total
-    values, notes = framework.solve(measured, modelled)
-    provisional.samples["framework"] = {"measured": measured, "modelled": modelled}
-    return Host(
-        **values, serial=provisional.kind == "cpu", moe_sync=0.0 if provisional.kind == "cpu" else 0.65e-3
-    ), notes
+            # the step's time is linear in the scales: a plan per scale doubled splits it into GEMMs, attention
+            # and the rest
+            both = plan(cfg, 1, provisional, gpus_per_node=1).time.total
+            parts = []
+            for key in framework.SCALES[:-1]:
+                slow = dataclasses.replace(provisional, **{key: 2.0})
+                parts.append(plan(cfg, 1, slow, gpus_per_node=1).time.total - both)
+            modelled[name][m] = (*parts, both - sum(parts))
+    values, notes = framework.solve(measured, modelled, fit_scale=provisional.kind == "cpu")
+    scales = {k: values.pop(k) for k in framework.SCALES}
+    provisional.samples["framework"] = {"measured": measured, "modelled": modelled, **scales}
+    host = Host(**values, serial=provisional.kind == "cpu", moe_sync=0.0 if provisional.kind == "cpu" else 0.65e-3)
+    return host, scales, notes
 
 
 def _profile(name, kind, memory, gpu, gemm, grouped, attention, bandwidth, intra, local_ranks, alltoall, host,

@@ -135,6 +135,13 @@ class DeviceProfile:
     threads: int | None = None  # CPU: the threads per process the curves were measured with
     # CPU: per-rank slow-down when this many ranks share the machine, {"2": {"compute": f, "host": g}}
     local_ranks: dict[str, dict[str, float]] = field(default_factory=dict)
+    # the device work's seconds inside a training step over the curves' (measured on kernels alone, operands hot in
+    # cache), of GEMMs, of attention and of the memory-bound rest: a CPU's kernels in a step run between the
+    # framework's other work, on operands it evicted, and the loss's softmax is exp-bound, not bytes-bound;
+    # calibrate measures them from trainer steps (1 on a GPU)
+    gemm_scale: float = 1.0
+    attention_scale: float = 1.0
+    work_scale: float = 1.0
     source: str = ""
     samples: dict[str, Any] = field(default_factory=dict)  # the raw measurements behind the curves
 
@@ -167,6 +174,33 @@ class DeviceProfile:
         if kernel in self.attention:
             return self.attention[kernel]
         return self.attention.get("flash") or self.attention.get("sdpa") or next(iter(self.attention.values()))
+
+    def in_step(self) -> DeviceProfile:
+        """This profile with its GEMMs' time times `gemm_scale`, attention's times `attention_scale` and the
+        memory-bound work's times `work_scale`: what the device work takes inside a training step (itself when all
+        are 1); links and overheads unchanged."""
+        g, a, k = self.gemm_scale, self.attention_scale, self.work_scale
+        if g == a == k == 1.0:
+            return self
+
+        def curve(c: Curve) -> Curve:
+            return dataclasses.replace(c, rate=c.rate / g, latency=c.latency * g)
+
+        return dataclasses.replace(
+            self,
+            gemm={p: curve(c) for p, c in self.gemm.items()},
+            grouped_gemm={p: curve(c) for p, c in self.grouped_gemm.items()},
+            # an unfused kernel's score traffic goes over the bandwidth, which the rest's scale divides
+            attention={
+                n: dataclasses.replace(c, rate=c.rate / a, latency=c.latency * a, score_bytes=c.score_bytes * a / k)
+                for n, c in self.attention.items()
+            },
+            memory_bandwidth=self.memory_bandwidth / k,
+            cache_bandwidth=None if self.cache_bandwidth is None else self.cache_bandwidth / k,
+            gemm_scale=1.0,
+            attention_scale=1.0,
+            work_scale=1.0,
+        )
 
     def scaled_for_ranks(self, ranks: int) -> DeviceProfile:
         """This CPU profile for `ranks` processes on one machine: each rank's rates times the measured compute share,
@@ -293,6 +327,9 @@ def from_dict(data: Any) -> DeviceProfile:
         cache_bytes=int(_number(data, "cache_bytes", zero=True)) if "cache_bytes" in data else 0,
         threads=threads,
         local_ranks={str(k): {"compute": float(v["compute"]), "host": float(v["host"])} for k, v in ranks.items()},
+        gemm_scale=_number(data, "gemm_scale") if "gemm_scale" in data else 1.0,
+        attention_scale=_number(data, "attention_scale") if "attention_scale" in data else 1.0,
+        work_scale=_number(data, "work_scale") if "work_scale" in data else 1.0,
         source=str(data.get("source", "")),
         samples=data.get("samples") if isinstance(data.get("samples"), dict) else {},
     )

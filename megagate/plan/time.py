@@ -2,12 +2,13 @@
 optimizer (docs/planning.md, "How the step time is modelled").
 
 For every stage and micro-batch: each layer's device seconds (megatron.plan.cost: GEMMs by shape, grouped experts
-by tokens per expert, attention by kernel, memory-bound bytes, recomputation), its exposed TP / EP / CP traffic
-(megagate.plan.comm) and the host's overhead for it — on a GPU the host queues work ahead, so a layer takes the
-longer of the two (plus a dropless MoE layer's host sync), on a CPU they add; the first stage adds the embedding,
-the last the output layer and the loss, every chunk boundary a point-to-point send. The schedule
-(megagate.plan.schedule) turns the stages' work into the forward-backward time; the data-parallel reduce-scatter /
-all-gather (exposed or hidden per the overlap settings), the optimizer step and the per-step overhead follow.
+by tokens per expert, attention by kernel, memory-bound bytes, recomputation; a calibrated CPU profile's kernels at
+their speed inside a step, DeviceProfile.in_step), its exposed TP / EP / CP traffic (megagate.plan.comm) and the
+host's overhead for it — on a GPU the host queues work ahead, so a layer takes the longer of the two (plus a
+dropless MoE layer's host sync), on a CPU they add; the first stage adds the embedding, the last the output layer
+and the loss, every chunk boundary a point-to-point send. The schedule (megagate.plan.schedule) turns the stages'
+work into the forward-backward time; the data-parallel reduce-scatter / all-gather (exposed or hidden per the
+overlap settings), the optimizer step and the per-step overhead follow.
 Pure arithmetic.
 """
 
@@ -110,7 +111,8 @@ def _host_layer(w: Workload, profile: DeviceProfile) -> float:
 
 def step_time(w: Workload, profile: DeviceProfile, ranks_per_node: int = 8) -> StepTime:
     """The step time of workload `w` on the device of `profile` (`ranks_per_node`: ranks sharing a node)."""
-    profile = profile.scaled_for_ranks(min(ranks_per_node, w.world))
+    scales = (profile.gemm_scale, profile.attention_scale, profile.work_scale)
+    profile = profile.scaled_for_ranks(min(ranks_per_node, w.world)).in_step()
     topo = comm.Topology.of(profile, ranks_per_node)
     host = profile.host
     layer, lcomm = _layer_times(w, profile, topo)
@@ -195,18 +197,24 @@ def step_time(w: Workload, profile: DeviceProfile, ranks_per_node: int = 8) -> S
         "small expert GEMMs": m * slow.expert_loss * scale / total,
         "host overhead": (st.terms.get("host overhead", 0.0) + st.terms.get("MoE host sync", 0.0)) / total,
     }
-    st.notes = _notes(w, profile, topo)
+    st.notes = _notes(w, profile, topo, scales)
     return st
 
 
-def _notes(w: Workload, profile: DeviceProfile, topo: comm.Topology) -> list[str]:
+def _notes(w: Workload, profile: DeviceProfile, topo: comm.Topology, scales: tuple[float, ...]) -> list[str]:
     h = profile.host
     curve = profile.curve(w.precision)
+    in_step = ""
+    if set(scales) != {1.0}:
+        in_step = (
+            f" (the rates inside a step: the calibrated kernels' time x {scales[0]:.2f} for GEMMs, x {scales[1]:.2f}"
+            f" for attention, x {scales[2]:.2f} for memory-bound work)"
+        )
     notes = [
         f"device profile {profile.name} ({profile.source or profile.kind}): {w.precision} GEMMs up to "
         f"{curve.rate / 1e12:.0f} TFLOP/s (half speed at {curve.half:.0f} rows), {w.attention} attention at "
         f"{profile.attention_curve(w.attention).rate / 1e12:.0f} TFLOP/s, memory-bound work at "
-        f"{profile.memory_bandwidth / 1e9:.0f} GB/s",
+        f"{profile.memory_bandwidth / 1e9:.0f} GB/s{in_step}",
         f"links: {topo.intra.bandwidth / 1e9:.0f} GB/s inside an NVLink domain of {topo.domain} ranks, "
         f"{topo.inter.bandwidth / 1e9:.0f} GB/s per rank between domains (as collectives achieve them)",
         f"host overhead: {h.per_layer * 1e3:.2f} ms per layer and micro-batch"

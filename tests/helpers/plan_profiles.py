@@ -17,6 +17,8 @@ def cpu_profile() -> DeviceProfile:
         intra=Link(1e-4, 2e9),
         inter=Link(1e-4, 2e9),
         host=Host(2e-3, 1e-3, 1.5e-3, 2e-4, 1e-3, 1e-4, per_layer_step=3e-4, serial=True),
+        gemm_scale=1.5,
+        work_scale=2.0,
         threads=2,
         local_ranks={"2": {"compute": 0.5, "host": 0.8}},
         source="test",

@@ -12,36 +12,68 @@ from megagate.calibrate import framework
 from megagate.plan import profile as profile_mod
 
 
-def test_overheads_solve_the_hand_made_step_times() -> None:
+def test_overheads_and_scales_solve_the_hand_made_step_times() -> None:
     """Timings built from known overheads (ms): per step 5, per layer and step 0.5, per micro-batch 3, per layer 2,
-    gate 0.25, MoE block 1, per expert 0.4; the modelled work (1 ms per layer and micro-batch) is subtracted; the
-    non-negative least-squares fit of the ten timings gives them back."""
+    gate 0.25, MoE block 1, per expert 0.4, and from modelled work that takes 1.6x (GEMMs), 1.3x (attention) and 2.5x
+    (the rest) its modelled time inside a step; the non-negative least-squares fit of the eighteen timings gives them
+    back."""
     truth = dict(per_step=5, per_layer_step=0.5, per_microbatch=3, per_layer=2, per_layer_gate=0.25,
                  per_layer_moe=1, per_expert=0.4)  # fmt: skip
+    scales = {"gemm_scale": 1.6, "attention_scale": 1.3, "work_scale": 2.5}
+    # modelled (GEMM, attention, rest) ms per micro-batch: small for the tiny variants, dominant for the larger ones
+    work = {
+        "work-gemm-1": (10.0, 1.0, 3.0),
+        "work-attention-1": (1.5, 7.0, 1.0),
+        "work-loss-1": (3.0, 0.5, 5.0),
+        "work-moe2-1": (3.0, 2.0, 3.0),
+    }
 
-    def step(layers: int, m: int, gate: bool = False, experts: int = 0) -> float:
+    def modelled(name: str, m: int) -> tuple[float, ...]:
+        layers = framework.VARIANTS[name]["num_layers"]
+        tiny = (0.1 * layers, 0.05 * layers, 0.3 * layers + 0.05 * len(name))
+        return tuple(m * x for x in work.get(name, tiny))
+
+    def step(name: str, m: int) -> float:
+        v = framework.VARIANTS[name]
+        layers, experts = v["num_layers"], v.get("num_experts", 0)
         per_mb = truth["per_microbatch"] + layers * (
             truth["per_layer"]
-            + (truth["per_layer_gate"] if gate else 0)
+            + (truth["per_layer_gate"] if "gate" in v else 0)
             + ((truth["per_layer_moe"] + experts * truth["per_expert"]) if experts else 0)
         )
-        return truth["per_step"] + layers * truth["per_layer_step"] + m * per_mb + m * layers * 1.0
+        device = sum(scales[k] * x for k, x in zip(framework.SCALES, modelled(name, m)))
+        return truth["per_step"] + layers * truth["per_layer_step"] + m * per_mb + device
 
-    measured = {
-        "dense-1": {m: step(1, m) for m in (1, 2)},
-        "dense-2": {m: step(2, m) for m in (1, 2)},
-        "gate-1": {m: step(1, m, gate=True) for m in (1, 2)},
-        "moe2-1": {m: step(1, m, experts=2) for m in (1, 2)},
-        "moe4-1": {m: step(1, m, experts=4) for m in (1, 2)},
-    }
-    modelled = {n: {m: m * (2 if n == "dense-2" else 1) * 1.0 for m in (1, 2)} for n in measured}
-    values, notes = framework.solve(measured, modelled)
+    measured = {n: {m: step(n, m) for m in (1, 2)} for n in framework.VARIANTS}
+    model = {n: {m: modelled(n, m) for m in (1, 2)} for n in framework.VARIANTS}
+    values, notes = framework.solve(measured, model)
     assert notes == []
+    for k, v in {**truth, **scales}.items():
+        assert values[k] == pytest.approx(v, rel=1e-6), k
+
+    # a GPU's fit: the scales stay 1 and the overheads come from the timings minus the modelled work
+    def extra(n: str, m: int) -> float:  # what the scales add over the modelled work
+        return sum((scales[k] - 1) * x for k, x in zip(framework.SCALES, model[n][m]))
+
+    plain = {n: {m: step(n, m) - extra(n, m) for m in (1, 2)} for n in framework.VARIANTS}
+    values, notes = framework.solve(plain, model, fit_scale=False)
+    assert [values[k] for k in framework.SCALES] == [1.0, 1.0, 1.0]
     for k, v in truth.items():
         assert values[k] == pytest.approx(v, rel=1e-6), k
+    # out of time before the work-dominated variants (a small budget): the scales stay 1, the overheads still fitted
+    tiny = [n for n in framework.VARIANTS if "work" not in framework.VARIANTS[n]]
+    values, notes = framework.solve({n: plain[n] for n in tiny}, model)
+    assert [values[k] for k in framework.SCALES] == [1.0, 1.0, 1.0] and "the in-step scales are 1" in notes[0]
+    for k, v in truth.items():
+        assert values[k] == pytest.approx(v, rel=1e-6), k
+    # only the dense pair (the least calibrate measures): its four overheads, the gate's and MoE's left at 0
+    values, notes = framework.solve({n: plain[n] for n in ("dense-1", "dense-2")}, model)
+    for k in ("per_step", "per_layer_step", "per_microbatch", "per_layer"):
+        assert values[k] == pytest.approx(truth[k], rel=1e-6), k
+    assert values["per_layer_gate"] == values["per_layer_moe"] == values["per_expert"] == 0.0
     # noise that would make an exact solve negative: the non-negative fit keeps every field >= 0 and says which are 0
     measured["dense-2"][2] -= 15
-    values, notes = framework.solve(measured, modelled)
+    values, notes = framework.solve(measured, model)
     assert min(values.values()) >= 0 and notes and all("fitted as 0" in n for n in notes)
 
 

@@ -35,6 +35,7 @@ def test_round_trip(tmp_path) -> None:
         (lambda d: d["host"].update(per_lunch=1), "host.per_lunch is not a host overhead"),
         (lambda d: d.pop("memory_bandwidth"), "memory_bandwidth=None"),
         (lambda d: d["local_ranks"].update({"2": {"compute": 0}}), "local_ranks"),
+        (lambda d: d.update(gemm_scale=0), "gemm_scale=0"),
     ],
 )
 def test_bad_profiles_are_one_line(tmp_path, mutate, words) -> None:

@@ -151,3 +151,22 @@ def test_expert_overlap_needs_the_interleaved_schedule() -> None:
     piped = dataclasses.replace(base, pp=2, dp=2)
     assert comm.layer_comm(piped, topo, (0, 0), layer_seconds=2 * ep).fwd["EP"] == pytest.approx(ep)
     assert comm.layer_comm(dataclasses.replace(piped, vpp=2), topo, (0, 0), 2 * ep).fwd["EP"] == pytest.approx(0)
+
+
+def test_in_step_scales_multiply_gemms_attention_and_the_rest() -> None:
+    """A calibrated CPU profile's in-step scales: the GEMMs' seconds times `gemm_scale`, attention's times
+    `attention_scale`, the memory-bound work's (here 1 GB/s) times `work_scale`, each exactly: a step of only GEMMs
+    is 1.6x as long, one of GEMMs, attention and memory traffic 1.6 G + 1.3 A + 2.5 R."""
+    w = Workload(MODEL, seq=128, micro_batch=2, global_batch=4, precision="fp32", attention="local")
+    scaled = {"gemm_scale": 1.6, "attention_scale": 1.3, "work_scale": 2.5}
+    base = only_gemms()
+    gemms = step_time(w, base).total
+    assert step_time(w, dataclasses.replace(base, **scaled)).total == pytest.approx(1.6 * gemms, rel=1e-9)
+    memory = dataclasses.replace(base, memory_bandwidth=1e9)  # attention still free
+    r = step_time(w, memory).total - gemms
+    # megatron's local attention: FLOPs at 1 TFLOP/s and its scores' traffic over the memory bandwidth (attention's)
+    full = dataclasses.replace(memory, attention={"local": AttentionCurve(1e12, 0.0, 2.0, False, 12.0)})
+    a = step_time(w, full).total - gemms - r
+    assert a > 0.05 * gemms and r > 0.1 * gemms  # each a real share of this step
+    total = step_time(w, dataclasses.replace(full, **scaled)).total
+    assert total == pytest.approx(1.6 * gemms + 1.3 * a + 2.5 * r, rel=1e-9)
