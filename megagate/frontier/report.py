@@ -178,13 +178,11 @@ def _layout(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _seeds(status: dict[float, PointStatus], lr: float | None, spec: FrontierSpec) -> str:
+def _seeds(status: dict[float, PointStatus], lr: float | None) -> str:
     if lr is None or lr not in status:
         return "-"
     s = status[lr]
-    seeds, need = len(spec.seeds), spec.rule.required(len(spec.seeds))
-    by_count = s.passes >= need or s.fails > seeds - need
-    note = " (undecided)" if not s.decided else "" if by_count else " (decisive)"
+    note = " (undecided)" if not s.decided else " (decisive)" if s.decisive else ""
     return f"{s.passes}/{s.passes + s.fails} healthy{note}"
 
 
@@ -223,8 +221,8 @@ def text_report(state: FrontierState, out: Path, grid: GridResult | None = None)
                 ("-" if b.healthy is None else (">= " if b.unhealthy is None else "") + f"{b.healthy:.3g}"),
                 b.describe(),
                 _fmt(b.width, ".3g"),
-                _seeds(r.status, b.healthy, spec),
-                _seeds(r.status, b.unhealthy, spec),
+                _seeds(r.status, b.healthy),
+                _seeds(r.status, b.unhealthy),
                 str(len(r.rows)),
                 str(r.stopped_early),
                 f"{r.spent:,}",

@@ -148,6 +148,7 @@ class PointStatus:
     leaning: str | None  # None: no seed run yet
     passes: int
     fails: int
+    decisive: bool = False  # decided by `HealthRule.decisive` before the seeds the count needs
 
 
 def decisive_side(losses: Iterable[float | None], threshold: float | None, rule: HealthRule) -> str | None:
@@ -170,12 +171,11 @@ def point_status(verdicts: Mapping[int, str], seeds: int, rule: HealthRule, deci
     fails = len(verdicts) - passes
     need = rule.required(seeds)
     decided = HEALTHY if passes >= need else UNHEALTHY if fails > seeds - need else None
-    if decided is None and decisive == HEALTHY and fails == 0:
-        decided = HEALTHY
-    elif decided is None and decisive == UNHEALTHY and passes == 0:
-        decided = UNHEALTHY
+    early = decided is None and ((decisive == HEALTHY and fails == 0) or (decisive == UNHEALTHY and passes == 0))
+    if early:
+        decided = decisive
     leaning = None if not verdicts else decided or (HEALTHY if passes > fails else UNHEALTHY)
-    return PointStatus(decided, leaning, passes, fails)
+    return PointStatus(decided, leaning, passes, fails, early)
 
 
 __all__ = [

@@ -171,7 +171,8 @@ def test_decisive_seeds_skip_the_confirmation():
     # decisively bad on one seed decides unhealthy even under a majority rule
     majority = HealthRule(delta=0.5, reference=4.9, decisive=0.3, min_healthy_seeds=2)
     bad = {(0.3, 0): TrialOutcome(300, True, valid_loss=5.9)}
-    assert judge(bad, SEEDS, majority)[0][0.3].decided == UNHEALTHY
+    assert judge(bad, SEEDS, majority)[0][0.3].decided == UNHEALTHY and judge(bad, SEEDS, majority)[0][0.3].decisive
+    assert not judge(near, SEEDS, rule)[0][0.03].decisive  # decided by the failing seed, as the count rule says
     assert judge({(0.3, 0): TrialOutcome(300, True, valid_loss=5.6)}, SEEDS, majority)[0][0.3].decided is None
 
 
