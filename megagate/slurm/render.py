@@ -9,9 +9,10 @@ failed `max_same_failures` times in a row the same way (state file under the run
 
 The trainer says why an attempt failed in a file the script names (MEGAGATE_FAILURE_FILE: a hang's diagnosis, or
 the error of the one rank that failed; megagate.health): the requeue log and the attempts file record that reason.
-A host blamed for `exclude_after_hangs` hangs of the job is excluded when the job is requeued (`scontrol update
-ExcNodeList`, right after `scontrol requeue`: Slurm changes it only for a pending job); an attempt that lands on an
-excluded host anyway requeues itself at once.
+A host blamed for `exclude_after_hangs` hangs of the job is excluded when the job is requeued: `scontrol requeuehold`,
+`scontrol update ExcNodeList` (Slurm changes it only for a pending job; the hold keeps the scheduler from starting
+the job on the bad host first), `scontrol release`. An attempt that lands on an excluded host anyway requeues itself
+at once.
 """
 
 from __future__ import annotations
@@ -205,11 +206,22 @@ rm -f "$MEGAGATE_FAILURE_FILE"
 echo "megagate-slurm: job ${SLURM_JOB_ID} attempt $((RESTARTS + 1)) (restart ${RESTARTS} of ${MEGAGATE_MAX_RESTARTS}) on ${SLURM_JOB_NODELIST} at $(date -Is)"
 
 requeue() {
-    # Slurm ends this script while requeueing; ExcNodeList can only change once the job is pending again, so it is
-    # set right after the requeue (the next attempt checks that it took)
-    scontrol requeue "$SLURM_JOB_ID" || { echo "megagate-slurm: scontrol requeue ${SLURM_JOB_ID} failed" >&2; exit 1; }
+    # Slurm ends this script while requeueing. ExcNodeList can only change once the job is pending again, and a
+    # plainly requeued job may be started again (on the bad host) before the update lands: so a job with excluded
+    # hosts is requeued held, updated, then released (a user hold: the owner may release it). TERM is ignored for
+    # these three calls, Slurm's KillWait covers them.
     if [[ -s "$EXCLUDED" ]]; then
-        scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$(sort -u "$EXCLUDED" | paste -sd, -)" || true
+        trap '' TERM
+        scontrol requeuehold "$SLURM_JOB_ID" \
+            || { echo "megagate-slurm: scontrol requeuehold ${SLURM_JOB_ID} failed" >&2; exit 1; }
+        scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$(sort -u "$EXCLUDED" | paste -sd, -)" \
+            || echo "megagate-slurm: could not set ExcNodeList of job ${SLURM_JOB_ID}" >&2
+        scontrol release "$SLURM_JOB_ID" \
+            || echo "megagate-slurm: job ${SLURM_JOB_ID} is held: run 'scontrol release ${SLURM_JOB_ID}'" >&2
+        trap - TERM
+    else
+        scontrol requeue "$SLURM_JOB_ID" \
+            || { echo "megagate-slurm: scontrol requeue ${SLURM_JOB_ID} failed" >&2; exit 1; }
     fi
     sleep 60   # let Slurm end this attempt; exiting first would look like a finished job
     exit 1
