@@ -5,7 +5,7 @@ run resumes: a load fault must be armed by then); `disarm()` at the end. They ac
 
 - phase entries (megagate.health.progress listeners): a `hang` blocks the main thread for good when this rank
   enters the fault's phase at its step (time.sleep: to the watchdog the rank is busy, not waiting in a collective);
-  a `slow_rank` sleeps at the start of each forward-backward for (factor - 1) x its recent fastest compute time,
+  a `slow_rank` sleeps at the start of each forward-backward for (factor - 1) x its recent median compute time,
   so this rank computes `factor` times as long and the others wait for it in the gradient reduction;
 - the checkpoint's file I/O (`checkpoint_io("write" | "read", step)`, called by megagate.train's checkpointer in
   the writer, a background process for an asynchronous save, and before a read): `fail_save` / `fail_load` raise
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+import statistics
 import sys
 import time
 from collections import deque
@@ -75,7 +76,10 @@ class ProcessFaults:
         if phase == "forward_backward":
             slow = self._take("slow_rank", step)
             if slow is not None and self._compute:  # inside the compute phase, before the gradient reduction
-                time.sleep((slow.factor - 1) * min(self._compute))  # its undisturbed compute (noise only adds)
+                # the median of its recent steps: a base that follows the machine's load as the real compute does
+                # (the fastest step alone would shrink the slowdown on a loaded machine, and one descheduled step
+                # cannot move the median)
+                time.sleep((slow.factor - 1) * statistics.median(self._compute))
             self._fb_started = time.monotonic()
         elif phase == "grad_sync" and self._fb_started:
             self._compute.append(time.monotonic() - self._fb_started)  # this step's compute, without the sleep
