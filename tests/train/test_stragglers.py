@@ -27,11 +27,12 @@ def test_a_slow_rank_is_reported_within_the_window(tmp_path, session_demo_dir, c
         session_demo_dir,
         2,
         "train.train_steps=24",
-        # a step that computes long enough (~0.2 s) for a 1.5x slowdown to stand out of the scheduling noise of a
+        # a step that computes long enough (~0.2 s here: 4 micro-batches of 8) for a 1.5x slowdown to stand out of the
+        # scheduling noise of a
         # loaded machine
         "train.seq_length=128",
-        "train.micro_batch_size=4",
-        "train.global_batch_size=16",
+        "train.micro_batch_size=8",
+        "train.global_batch_size=64",
         "logging.tensorboard=true",
         f"straggler.interval={INTERVAL}",
         f"straggler.windows={WINDOWS}",
