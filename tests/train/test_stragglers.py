@@ -28,8 +28,7 @@ def test_a_slow_rank_is_reported_within_the_window(tmp_path, session_demo_dir, c
         2,
         "train.train_steps=24",
         # a step that computes long enough (~0.2 s here: 4 micro-batches of 8) for a 1.5x slowdown to stand out of the
-        # scheduling noise of a
-        # loaded machine
+        # scheduling noise of a loaded machine
         "train.seq_length=128",
         "train.micro_batch_size=8",
         "train.global_batch_size=64",
