@@ -26,6 +26,10 @@ KERNELS = ("sdpa", "local")
 MARGIN_S = 8.0  # left of the share for the last write and the exit
 
 
+def _sig(seconds: float) -> float:
+    return float(f"{seconds:.6g}")
+
+
 def _quartiles(values: list[float]) -> tuple[float, float, float]:
     if len(values) < 2:
         return values[0], values[0], values[0]
@@ -126,10 +130,10 @@ class Case:
         if self.times:
             q1, median, q3 = _quartiles(self.times)
             tflops = self.flops_per_token * tokens_per_step / median / 1e12
-            out.update(
-                step_s=round(median, 5),
-                step_s_iqr=[round(q1, 5), round(q3, 5)],
-                times_s=[round(t, 5) for t in self.times],
+            out.update(  # 6 significant digits: a step of a few ms keeps its precision (ratios are taken of it)
+                step_s=_sig(median),
+                step_s_iqr=[_sig(q1), _sig(q3)],
+                times_s=[_sig(t) for t in self.times],
                 tokens_per_s=round(tokens_per_step / median, 1),
                 tflops=float(f"{tflops:.4g}"),
                 mfu_datasheet=float(f"{tflops / peak_tflops:.4g}") if peak_tflops else None,
