@@ -8,7 +8,6 @@ the rerun restarted from the previous checkpoint; a SIGKILLed trainer left the M
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -234,11 +233,6 @@ def test_second_sigint_aborts_at_once_even_inside_a_collective(tmp_path, session
                 break
             time.sleep(0.02)
         aborted_in = time.monotonic() - sent
-        # torchrun now stops rank 1 (still in its injected hang, where the trainer's TERM handler only asks for a
-        # stop) with TERM, then KILL after 30 s: kill it now, the abort of rank 0 is what this test checks
-        hung = json.loads((F.launches(tmp_path)[-1] / "rank00001.json").read_text())["pid"]
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(hung, signal.SIGKILL)
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
