@@ -91,10 +91,10 @@ def config(
 
 def time_variants(precision: str, core_attention: str, until: float, reps: int = 15) -> dict[str, dict[int, float]]:
     """{variant: {micro-batches: step seconds}} of the trainer's step (data fetch included, as `megagate train`
-    times it), the variants interleaved so that load changes touch them alike. Each figure is the lower quartile
-    of its repetitions: on a machine shared with other work a step the scheduler interrupts takes several times its
-    length, and a trainer's median step (what the benchmark measures) is mostly uninterrupted ones; the quartile
-    keeps that while a few interrupted repetitions cannot move it."""
+    times it), the variants interleaved so that load changes touch them alike. Each figure is the median of its
+    repetitions, the statistic a trainer's logged step time has (`megagate train`'s median step): a few steps the
+    scheduler interrupts cannot move it. (The lower quartile, used before, planned every step 4-30 % short on a quiet
+    machine: its steps vary that much between repetitions.)"""
     from megatron.core import parallel_state
 
     from megagate.run_setup import resolve
@@ -126,11 +126,7 @@ def time_variants(precision: str, core_attention: str, until: float, reps: int =
             for name, (step,) in runs.items():
                 for m in (1, 2):
                     times[name][m].append(step(m))
-    return {n: {m: _lower_quartile(v) for m, v in by_m.items()} for n, by_m in times.items()}
-
-
-def _lower_quartile(values: list[float]) -> float:
-    return statistics.quantiles(values, n=4, method="inclusive")[0] if len(values) > 1 else values[0]
+    return {n: {m: statistics.median(v) for m, v in by_m.items()} for n, by_m in times.items()}
 
 
 SCALES = ("gemm_scale", "attention_scale", "work_scale")  # the order of a variant's modelled seconds
