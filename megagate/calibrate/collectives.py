@@ -3,7 +3,8 @@
 `measure(ranks, seconds)` spawns `ranks` processes (gloo on CPU; NCCL, one GPU each, when the machine has that many
 GPUs), as `torchrun --nproc-per-node` would run them (one thread each on CPU, torchrun's default), and times
 all-gather, all-reduce and all-to-all of 4 KiB to 4 MiB per rank; each rank also times a GEMM and a tiny layer's
-forward and backward (host-bound) while the others do the same. Rank 0 returns the medians.
+forward and backward (host-bound) while the others do the same, three times. Rank 0 returns the medians, and the
+probes as [repeat][rank] = [FLOP/s, tiny seconds].
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from megagate.calibrate.timing import median_seconds
 
 SIZES = (4096, 65536, 1 << 20, 4 << 20)  # bytes per rank
+PROBE_REPEATS = 3  # the side-by-side compute probe: its median over repeats
 
 
 def _time(fn, reps: int, barrier) -> float:
@@ -80,12 +82,13 @@ def _worker(rank: int, world: int, init_file: str, result_file: str, reps: int) 
             results["all_to_all"].append([size * (world - 1), seconds])
         except (RuntimeError, NotImplementedError):
             pass  # this backend has no all-to-all
-    dist.barrier()
-    flops, tiny = compute_probe()  # every rank at once
-    probes = [None] * world
-    dist.all_gather_object(probes, [flops, tiny])
+    results["concurrent"] = []
+    for _ in range(PROBE_REPEATS):  # every rank at once; repeated, a moment's interruption on one rank is one vote
+        dist.barrier()
+        probes = [None] * world
+        dist.all_gather_object(probes, list(compute_probe()))
+        results["concurrent"].append(probes)
     if rank == 0:
-        results["concurrent"] = probes
         with open(result_file, "w", encoding="utf-8") as f:
             json.dump(results, f)
     dist.barrier()

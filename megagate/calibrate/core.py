@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 
@@ -103,10 +104,11 @@ def calibrate(budget_s: float = 110.0, ranks: int = 2, log: Callable[[str], None
             a2a, _ = curves.fit_link([tuple(x) for x in world["all_to_all"]])
             alltoall = min(1.0, a2a.bandwidth / intra.bandwidth)
         flops, tiny = collectives.compute_probe()
-        concurrent = world["concurrent"]
+        # per repeat the slowest rank (a step waits for it), then the median over repeats
+        repeats = world["concurrent"]
         local_ranks[str(ranks)] = {
-            "compute": min(f for f, _ in concurrent) / flops,
-            "host": tiny / max(t for _, t in concurrent),
+            "compute": statistics.median(min(f for f, _ in probes) for probes in repeats) / flops,
+            "host": tiny / statistics.median(max(t for _, t in probes) for probes in repeats),
         }
         samples["collectives"] = world
         log(

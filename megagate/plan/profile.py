@@ -146,10 +146,15 @@ class DeviceProfile:
     samples: dict[str, Any] = field(default_factory=dict)  # the raw measurements behind the curves
 
     def bandwidth(self, tensor_bytes: float) -> float:
-        """Bytes/s of memory-bound kernels whose tensors are `tensor_bytes` each (cache-resident ones faster)."""
-        if self.cache_bandwidth and tensor_bytes <= self.cache_bytes:
+        """Bytes/s of memory-bound kernels whose tensors are `tensor_bytes` each: cache-resident ones at the cache's
+        rate; of a larger one, the share beyond `cache_bytes` at the memory's (a smooth step: a hard one made a
+        model 1.5x another's size take 6x its optimizer time, where the measured steps differ 2x)."""
+        if not self.cache_bandwidth:
+            return self.memory_bandwidth
+        if tensor_bytes <= self.cache_bytes:
             return self.cache_bandwidth
-        return self.memory_bandwidth
+        cached = self.cache_bytes / tensor_bytes
+        return 1.0 / (cached / self.cache_bandwidth + (1.0 - cached) / self.memory_bandwidth)
 
     def curve(self, precision: str) -> Curve:
         """The GEMM curve of a precision (fp8 falls back to bf16 where none was measured, fp32 to bf16 at half)."""

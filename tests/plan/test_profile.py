@@ -64,6 +64,17 @@ def test_fits_recover_known_curves() -> None:
     assert got.backward == pytest.approx(2.5, rel=1e-2)
 
 
+def test_bandwidth_steps_smoothly_past_the_cache() -> None:
+    """Tensors up to the cache at its rate; of a larger one the share beyond the cache at the memory's (4 MiB cache
+    at 60 GB/s, memory 12 GB/s: of 8 MiB half at each rate, 20 GB/s in all); memory's rate without a cache."""
+    p = dataclasses.replace(cpu_profile(), memory_bandwidth=12e9, cache_bandwidth=60e9, cache_bytes=4 << 20)
+    assert p.bandwidth(1 << 20) == p.bandwidth(4 << 20) == 60e9
+    assert p.bandwidth(8 << 20) == pytest.approx(1 / (0.5 / 60e9 + 0.5 / 12e9), rel=1e-12)  # 20 GB/s
+    assert p.bandwidth(8 << 20) == pytest.approx(20e9, rel=1e-12)
+    assert p.bandwidth(4 << 30) == pytest.approx(1 / (2**-10 / 60e9 + (1 - 2**-10) / 12e9), rel=1e-12)
+    assert dataclasses.replace(p, cache_bandwidth=None).bandwidth(1 << 20) == 12e9
+
+
 def test_cpu_profile_plans_the_cpu_run(tmp_path, capsys) -> None:
     """`plan --profile` with a CPU profile plans what megagate train runs there: local modules, SDPA attention,
     the trainer's overheads added to the work; --json carries per-stage memory, tokens/s per rank and cluster."""
