@@ -266,17 +266,19 @@ def test_invalid_layout_is_not_submitted(slurm, tmp_path: Path, monkeypatch, cap
 
 @pytest.mark.slow
 def test_sbatch_signal_timer(slurm, tmp_path: Path) -> None:
-    """The real `#SBATCH --signal=B:USR1@20` of a 1-minute job: warned, checkpointed, requeued, finished.
+    """The real `#SBATCH --signal=B:USR1@20` of a 2-minute job: warned, checkpointed, requeued, finished.
 
     slurmctld sends the warning at its first periodic check (~30 s apart) once at most lead + 30 s remain,
-    so here 10-40 s into an attempt; the first attempt needs 50 s, so it is always cut short.
+    so here 70-100 s into an attempt: after the 4 ranks' start-up even on a slow, loaded machine (a 1-minute job,
+    warned 10-40 s in, was warned there before its first step); the first attempt needs 110 s, so it is always
+    cut short.
     """
-    steps = 100
-    req = slurm.request("timer", time="1", signal_lead_s=20)
+    steps = 220
+    req = slurm.request("timer", time="2", signal_lead_s=20)
     job = slurm.submit(
         req, tmp_path, [f"out={tmp_path}", f"steps={steps}", "step_time=0.5", "step_time_restarted=0.01"]
     )
-    info = slurm.wait(job, timeout=240)
+    info = slurm.wait(job, timeout=420)
     log = slurm.log(tmp_path, req, job)
     assert info["JobState"] == "COMPLETED", log
     restarts = int(info["Restarts"])

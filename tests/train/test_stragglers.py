@@ -49,7 +49,9 @@ def test_a_slow_rank_is_reported_within_the_window(tmp_path, session_demo_dir, c
     # and spans at least 3/4 of the interval: records written a heartbeat (0.25 s, ~2 steps here) apart may delay the
     # first windows by up to two looks (reported at steps 6-11 here, quiet or beside two busy processes)
     assert first["step"] <= INTERVAL * (WINDOWS + 2), reports
-    assert 1.25 < first["ratio"] < 2.5 and first["windows"] == WINDOWS, first
+    # the injected 1.5x reads 1.3-1.7 on a quiet machine; a loaded one deschedules the slow rank on top (4.0 seen in
+    # a 47-minute suite run on a slower 2-core machine), so the upper bound only catches a gross error
+    assert 1.25 < first["ratio"] < 6 and first["windows"] == WINDOWS, first
     # the other rank waits for it in the gradient reduction: over the whole run (one window's medians can be turned
     # round by a few steps of the other rank descheduled on a loaded machine), from the progress records' step times
     (folder,) = F.launches(out)
