@@ -148,7 +148,7 @@ class DeviceProfile:
     def bandwidth(self, tensor_bytes: float) -> float:
         """Bytes/s of memory-bound kernels whose tensors are `tensor_bytes` each: cache-resident ones at the cache's
         rate; of a larger one, the share beyond `cache_bytes` at the memory's (a smooth step: a hard one made a
-        model 1.5x another's size take 6x its optimizer time, where the measured steps differ 2x)."""
+        model 1.5x another's size take 6x its optimizer time, where the measured times differ 2x)."""
         if not self.cache_bandwidth:
             return self.memory_bandwidth
         if tensor_bytes <= self.cache_bytes:
