@@ -52,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("search")
     s.add_argument("--coarse", type=int, default=2, help="log-spaced LRs of the first bracket, ends included (2)")
     s.add_argument("--resolution", type=float, default=0.25, help="bisect until the bracket is <= this (decades)")
+    s.add_argument(
+        "--schedule",
+        default="wide",
+        help="wide: coarse points and seeds at once (fewer rounds); thrifty: the top and the seeds only when needed, "
+        "one seed per round (fewer trial-steps)",
+    )
     s.add_argument("--budget", type=int, default=None, help="stop launching rounds after this many trial-steps")
     s.add_argument("--max-attempts", type=int, default=3, help="launches of a trial failing for non-stability reasons")
     h = parser.add_argument_group("health rule")
@@ -109,6 +115,7 @@ def _spec(args: argparse.Namespace) -> FrontierSpec:
         seeds=tuple(args.seeds),
         coarse=args.coarse,
         resolution=args.resolution,
+        schedule=args.schedule,
         rule=HealthRule(delta, args.max_loss_spikes, args.min_healthy_seeds, args.reference, args.decisive),
         early=EarlyStopSpec(
             # a training-loss gap at a rung overstates the final validation gap (measured 1.3-1.9x on the CPU

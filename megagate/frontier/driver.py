@@ -16,7 +16,7 @@ from pathlib import Path
 from megagate.errors import MegagateError
 from megagate.frontier import state as state_mod
 from megagate.frontier import trials as trials_mod
-from megagate.frontier.search import Plan, plan_variant
+from megagate.frontier.search import Plan
 from megagate.frontier.state import FrontierState, Trial
 
 Log = Callable[[str], None]
@@ -65,7 +65,7 @@ def variant_plans(state: FrontierState) -> dict[str, Plan]:
     plans = {}
     for variant in spec.variants:
         outcomes = {(t.lr, t.seed): t.outcome for _, t in state.of_variant(variant) if t.status == "done"}
-        plans[variant] = plan_variant(spec.lo, spec.hi, spec.coarse, spec.resolution, spec.seeds, spec.rule, outcomes)
+        plans[variant] = spec.plan(outcomes)
     return plans
 
 

@@ -19,7 +19,7 @@ from megagate.files import write_atomic
 from megagate.frontier import state as state_mod
 from megagate.frontier import trials as trials_mod
 from megagate.frontier.rule import PointStatus, TrialOutcome, best_loss
-from megagate.frontier.search import Bracket, bracket_of, judge, plan_variant
+from megagate.frontier.search import Bracket, bracket_of, judge
 from megagate.frontier.spec import FrontierSpec
 from megagate.frontier.state import FrontierState
 from megagate.monitor import runfiles
@@ -57,7 +57,7 @@ def variant_results(state: FrontierState) -> list[VariantResult]:
         trials = dict(state.of_variant(variant))
         outcomes = {(t.lr, t.seed): t.outcome for t in trials.values() if t.status == "done"}
         status, verdicts = judge(outcomes, spec.seeds, spec.rule)
-        plan = plan_variant(spec.lo, spec.hi, spec.coarse, spec.resolution, spec.seeds, spec.rule, outcomes)
+        plan = spec.plan(outcomes)
         result = VariantResult(variant, plan.bracket, plan.phase, plan.notes, status)
         result.best = best_loss(outcomes.values(), spec.rule)  # the reference of the delta rule
         for name, t in sorted(trials.items(), key=lambda kv: (kv[1].lr, kv[1].seed)):

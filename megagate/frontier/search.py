@@ -13,6 +13,17 @@ an interrupted search resumes by simply planning again):
 4. confirmation: the other seeds at `h` (and at `u` when one failing seed does not decide it); a seed that fails
    at `h` makes it unhealthy and the bisection goes on below it.
 
+That is the `wide` schedule: few rounds (what a cluster queue wants). The `thrifty` schedule spends fewer
+trial-steps for more rounds:
+
+- the top of the range is assumed unhealthy, like the bottom is assumed healthy under a fixed reference, so the
+  first probe is the middle (or the inner coarse points); the top is run as soon as a healthy probe above the
+  bottom has the bracket resting on it (healthy there ends the search at ">= hi");
+- with `HealthRule.decisive`, the bisection only moves past decided points: a healthy first seed too close to the
+  threshold to be decisive is confirmed before anything above it is probed, since a failing seed there sends the
+  search below it;
+- seeds are confirmed one per round, so a failing seed spares the rest.
+
 The bracket is (h, u): h healthy on the required seeds, u unhealthy; u None means healthy up to `hi` (the frontier
 is at or above the range), h None that no LR in range was healthy. Healthy points above u (seed noise, a
 non-monotone response) are reported in `notes`, not used.
@@ -63,6 +74,9 @@ def midpoint(a: float, b: float, lo: float | None = None, spacing: float | None 
 
 def decades(a: float, b: float) -> float:
     return abs(math.log10(b / a))
+
+
+SCHEDULES = ("wide", "thrifty")
 
 
 @dataclass(frozen=True)
@@ -149,41 +163,66 @@ def plan_variant(
     seeds: Sequence[int],
     rule: HealthRule,
     outcomes: Mapping[tuple[float, int], TrialOutcome],
+    schedule: str = "wide",
 ) -> Plan:
     """The next trials of one variant (none: done) from its outcomes so far, keyed by (lr, seed)."""
     first = seeds[0]
+    thrifty = schedule == "thrifty"
     points = coarse_points(lo, hi, coarse)
     # A fixed reference needs no anchor: the lower bound is assumed healthy and run only if the bracket ends on it.
     lazy = rule.reference is not None and (points[0], first) not in outcomes
     if (points[0], first) not in outcomes and not lazy:
         return Plan(((points[0], first),), Bracket(None, None), "anchor")
-    missing = [(lr, first) for lr in points[1:] if (lr, first) not in outcomes]
+    missing = [(lr, first) for lr in points[1 : -1 if thrifty else None] if (lr, first) not in outcomes]
     if missing:
         return Plan(tuple(missing), Bracket(None, None), "coarse")
     status, _ = judge(outcomes, seeds, rule)
     if lazy:
         status[points[0]] = PointStatus(HEALTHY, HEALTHY, 0, 0)  # assumed, not run
+    top_assumed = thrifty and (points[-1], first) not in outcomes
+    if top_assumed:
+        status[points[-1]] = PointStatus(UNHEALTHY, UNHEALTHY, 0, 0)  # assumed, not run
     bracket, notes = bracket_of(status)
     h, u = bracket.healthy, bracket.unhealthy
     n, need = len(seeds), rule.required(len(seeds))
-    if lazy and h == points[0] and (u is None or decades(h, u) <= resolution + EPS):
+    at_resolution = u is None or (h is not None and decades(h, u) <= resolution + EPS)
+    if lazy and h == points[0] and at_resolution:
         return Plan(((points[0], first),), bracket, "anchor", notes)  # the bracket ends on the assumption: test it
+    if top_assumed and h is not None and u == points[-1] and (h > points[0] or at_resolution):
+        return Plan(((points[-1], first),), bracket, "coarse", notes)  # it rests on the assumed top: test it
     if h is None:  # nothing healthy: make sure the lowest point really is unhealthy
         s = status[u]
         if s.decided is None:
-            return Plan(tuple(_more_seeds(u, n - need + 1 - s.fails, seeds, outcomes)), bracket, "confirm", notes)
+            more = _more_seeds(u, n - need + 1 - s.fails, seeds, outcomes)
+            return Plan(tuple(more[:1] if thrifty else more), bracket, "confirm", notes)
         return Plan((), bracket, "done", notes)
-    if u is not None and decades(h, u) > resolution + EPS:
+    # the seeds still needed to decide each end (thrifty: one per round, and before the bisection moves on)
+    pending = []
+    if status[h].decided is None:
+        pending += _more_seeds(h, need - status[h].passes, seeds, outcomes)
+    if u is not None and status[u].decided is None:
+        pending += _more_seeds(u, n - need + 1 - status[u].fails, seeds, outcomes)
+    # thrifty, with a decisive margin: a point it left undecided lies near the threshold, where another seed may
+    # well fail and send the search below it, so it is settled before the bisection moves past it
+    if thrifty and pending and (rule.decisive is not None or at_resolution):
+        return Plan(tuple(pending[:1]), bracket, "confirm", notes)
+    if not at_resolution:
         spacing = decades(lo, hi) / (coarse - 1)
         return Plan(((midpoint(h, u, lo, spacing), first),), bracket, "bisect", notes)
-    requests = []
-    if status[h].decided is None:
-        requests += _more_seeds(h, need - status[h].passes, seeds, outcomes)
-    if u is not None and status[u].decided is None:
-        requests += _more_seeds(u, n - need + 1 - status[u].fails, seeds, outcomes)
-    if requests:
-        return Plan(tuple(requests), bracket, "confirm", notes)
+    if pending:
+        return Plan(tuple(pending), bracket, "confirm", notes)
     return Plan((), bracket, "done", notes)
 
 
-__all__ = ["Bracket", "Plan", "bracket_of", "coarse_points", "decades", "judge", "midpoint", "plan_variant", "round_lr"]
+__all__ = [
+    "SCHEDULES",
+    "Bracket",
+    "Plan",
+    "bracket_of",
+    "coarse_points",
+    "decades",
+    "judge",
+    "midpoint",
+    "plan_variant",
+    "round_lr",
+]

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from megagate.errors import ConfigError
-from megagate.frontier.rule import HealthRule
+from megagate.frontier.rule import HealthRule, TrialOutcome
+from megagate.frontier.search import SCHEDULES, Plan, plan_variant
 
 OWNED_KEYS = ("train.lr", "model.gate.preset", "seed", "output.dir")  # set per trial by the search
 OWNED_PREFIX = "monitor.early_stop."
@@ -44,6 +45,7 @@ class FrontierSpec:
     seeds: tuple[int, ...] = (0,)
     coarse: int = 2
     resolution: float = 0.25  # decades
+    schedule: str = "wide"  # megagate.frontier.search.SCHEDULES: wide (fewer rounds) or thrifty (fewer trial-steps)
     rule: HealthRule = field(default_factory=HealthRule)
     early: EarlyStopSpec = field(default_factory=EarlyStopSpec)
     overrides: tuple[str, ...] = ()
@@ -63,6 +65,13 @@ class FrontierSpec:
         for key in ("variants", "seeds", "overrides"):
             d[key] = tuple(d[key])
         return cls(**d)
+
+    def plan(self, outcomes: Mapping[tuple[float, int], TrialOutcome]) -> Plan:
+        """The search's next step for one variant from its decided trials, keyed (lr, seed): what the driver runs
+        and what the report shows."""
+        return plan_variant(
+            self.lo, self.hi, self.coarse, self.resolution, self.seeds, self.rule, outcomes, self.schedule
+        )
 
     def rungs(self) -> list[int]:
         """Rung steps, ascending."""
@@ -130,6 +139,8 @@ def validate(spec: FrontierSpec) -> None:
         raise ConfigError(f"--seeds {','.join(map(str, spec.seeds))} must be distinct non-negative integers")
     if spec.coarse < 2:
         raise ConfigError(f"--coarse {spec.coarse} must be >= 2 (the bracket's two ends)")
+    if spec.schedule not in SCHEDULES:
+        raise ConfigError(f"--schedule {spec.schedule!r} is not a schedule; give one of {', '.join(SCHEDULES)}")
     if not math.isfinite(spec.resolution) or spec.resolution <= 0:
         raise ConfigError(f"--resolution {spec.resolution:g} must be a positive number of decades")
     if spec.resolution < 1e-3:

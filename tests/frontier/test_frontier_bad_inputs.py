@@ -38,6 +38,7 @@ CASES = [
     ("negative-decisive", f"{FR} --lr-range 1e-3:1 --decisive -0.2", "--decisive -0.2 must be >= 0 nats"),
     ("margin-below-delta", f"{FR} --lr-range 1e-3:1 --margin 0.1", "--margin 0.1 is below --delta 0.5"),
     ("resolution-zero", f"{FR} --lr-range 1e-3:1 --resolution 0", "--resolution 0 must be a positive"),
+    ("unknown-schedule", f"{FR} --lr-range 1e-3:1 --schedule fast", "--schedule 'fast' is not a schedule; give one"),
     ("owned-override", f"{FR} --lr-range 1e-3:1 train.lr=1", "train.lr is set per trial"),
     ("bad-override", f"{FR} --lr-range 1e-3:1 model.num_layers=0", "model.num_layers"),
     ("resume-missing", "frontier --resume {work}/none", "--resume {work}/none: no frontier.json"),
@@ -99,6 +100,11 @@ def test_dry_run_prints_round_one_and_writes_nothing(tmp_path, capsys, monkeypat
         f"output.dir={tmp_path}/fr/baseline_lr0.001_s0"
     )
     assert "model.gate.preset=g1-elementwise" in out[2] and len(out) == 3
+    # thrifty, fixed reference: both ends are assumptions, so round 1 is the middle of the range (10^-1.5)
+    argv += " --schedule thrifty --reference 4.9"
+    assert main([*argv.split(), "--out", str(tmp_path / "fr"), *SLURM.split()]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[4] for line in out[1:]] == ["train.lr=0.0316228"] * 2
     assert not list(tmp_path.rglob("*")) and not recording_sbatch.exists()
 
 

@@ -107,6 +107,31 @@ def test_the_rule_on_a_grid_and_side_by_side(grid, tmp_path):
     assert record["variants"]["a"]["bracket"] == [0.1, 0.316228]
 
 
+def test_a_thrifty_search_is_reported_by_its_own_schedule(tmp_path):
+    """The top of the range never ran (the middle failed first): the report plans with the search's schedule, so the
+    bracket is there and the search done, not "nothing run" and waiting for a coarse point."""
+    spec = FrontierSpec(
+        config="c.yaml",
+        variants=("b",),
+        lo=0.01,
+        hi=1.0,
+        seeds=(0, 1),
+        resolution=0.5,
+        schedule="thrifty",
+        train_steps=STEPS,
+    )
+    state = FrontierState(spec, {"kind": "local"}, done=True)
+    for lr, seed, valid in ((0.01, 0, 4.8), (0.1, 0, 5.6), (0.0316228, 0, 5.1), (0.0316228, 1, 5.12)):
+        outcome = TrialOutcome(STEPS, True, valid_loss=valid)
+        state.trials[spec.trial_name("b", lr, seed)] = Trial(
+            "b", lr, seed, status="done", attempts=1, round=1, outcome=outcome
+        )
+    text, record = text_report(state, tmp_path)
+    row = next(line for line in text.splitlines() if line.startswith("b "))
+    assert "[0.0316, 0.1)" in row and "2/2 healthy" in row and row.endswith("done")
+    assert record["variants"]["b"]["bracket"] == [0.0316228, 0.1]
+
+
 def test_loss_spikes_of_a_grid_are_replayed_with_this_monitor(grid, tmp_path):
     from megagate.frontier.trials import replayed_loss_spikes
 

@@ -3,8 +3,10 @@ driven by synthetic trial outcomes: where the bracket ends, which trials it asks
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 
@@ -29,13 +31,41 @@ def world(frontier: float, bad_seed_at: dict[float, int] | None = None):
 
 
 DEFAULT_RULE = HealthRule()
+SCIENCE = Path(__file__).resolve().parents[2] / "docs" / "science"
 
 
-def search(run, rule=DEFAULT_RULE, seeds=SEEDS, coarse=2, resolution=0.25, lo=LO, hi=HI, limit=40):
+def logged_science_trials(folder: str) -> tuple[dict[tuple[str, float, int], TrialOutcome], dict]:
+    """A logged frontier search of the CPU study (docs/science/FOLDER): every trial's outcome keyed (variant, lr,
+    seed), completed by the runs of the 48-run grid its report was written beside (grid runs are judged on their
+    final validation loss and the spikes logged after warm-up), and the search's settings."""
+    report = json.loads((SCIENCE / folder / "frontier_report.json").read_text())
+    spec, known = report["spec"], {}
+    for run in json.loads((SCIENCE / folder / "aggregate.json").read_text())["runs"]:
+        if run["sweep"] == "qk-off":
+            spikes = sum(step > spec["warmup_steps"] for step in run["event_steps"])
+            known[(run["variant"], run["lr"], run["seed"])] = TrialOutcome(
+                run["steps"], True, valid_loss=run["valid_loss"], loss_spikes=spikes
+            )
+    for variant, result in report["variants"].items():
+        for t in result["trials"]:
+            completed = t["outcome"] == "completed"
+            spikes = re.match(r"(\d+) loss spikes after warm-up", t["why"])
+            known[(variant, t["lr"], t["seed"])] = TrialOutcome(
+                t["steps"],
+                completed,
+                None if completed else t["outcome"].removeprefix("stopped: "),
+                t["why"],
+                t["valid_loss"],
+                loss_spikes=int(spikes.group(1)) if completed and spikes else 0,
+            )
+    return known, spec
+
+
+def search(run, rule=DEFAULT_RULE, seeds=SEEDS, coarse=2, resolution=0.25, lo=LO, hi=HI, limit=40, schedule="wide"):
     """Drive the planner to the end like the driver does (every request run, in rounds); the rounds and the plan."""
     outcomes, rounds = {}, []
     for _ in range(limit):
-        plan = plan_variant(lo, hi, coarse, resolution, seeds, rule, outcomes)
+        plan = plan_variant(lo, hi, coarse, resolution, seeds, rule, outcomes, schedule)
         if plan.done:
             return plan, rounds, outcomes
         assert plan.requests and not set(plan.requests) & set(outcomes), "a request repeats a trial"
@@ -174,6 +204,96 @@ def test_decisive_seeds_skip_the_confirmation():
     assert judge(bad, SEEDS, majority)[0][0.3].decided == UNHEALTHY and judge(bad, SEEDS, majority)[0][0.3].decisive
     assert not judge(near, SEEDS, rule)[0][0.03].decisive  # decided by the failing seed, as the count rule says
     assert judge({(0.3, 0): TrialOutcome(300, True, valid_loss=5.6)}, SEEDS, majority)[0][0.3].decided is None
+
+
+def test_thrifty_probes_the_middle_first_and_runs_the_top_only_when_the_bracket_rests_on_it():
+    wide = search(world(0.05), rule=FIXED)[2]
+    plan, rounds, outcomes = search(world(0.05), rule=FIXED, schedule="thrifty")
+    # 0.1 fails, so the top is never needed; the seeds at h are confirmed one per round
+    assert rounds == [
+        ("bisect", ((0.1, 0),)),
+        ("bisect", ((0.0316228, 0),)),
+        ("bisect", ((0.0562341, 0),)),
+        ("confirm", ((0.0316228, 1),)),
+        ("confirm", ((0.0316228, 2),)),
+    ]
+    assert (plan.bracket.healthy, plan.bracket.unhealthy) == (0.0316228, 0.0562341)
+    assert (1.0, 0) in wide and (1.0, 0) not in outcomes and len(outcomes) == len(wide) - 1
+    # healthy in the middle: the bracket rests on the assumed top, which is run next and ends the search there
+    plan, rounds, _ = search(world(10.0), rule=FIXED, schedule="thrifty")
+    assert [r for _, r in rounds] == [((0.1, 0),), ((1.0, 0),), ((1.0, 1),), ((1.0, 2),)]
+    assert (plan.bracket.healthy, plan.bracket.unhealthy) == (1.0, None)
+    # with an anchor (the variant's-best rule) the lower bound is run first, then the middle, never the top here
+    plan, rounds, outcomes = search(world(0.05), schedule="thrifty")
+    assert [r for _, r in rounds][:2] == [((0.01, 0),), ((0.1, 0),)] and (1.0, 0) not in outcomes
+    assert (plan.bracket.healthy, plan.bracket.unhealthy) == (0.0316228, 0.0562341)
+
+
+def test_thrifty_settles_a_healthy_point_near_the_threshold_before_probing_above_it():
+    # seeds end at 4.90-4.96, 0.14-0.2 below the threshold 5.1: healthy, never decisive (0.3)
+    near = HealthRule(delta=0.2, reference=4.9, decisive=0.3)
+    # 0.0316 passes on seed 0 and fails on seed 1: settled before 0.0562 is ever probed, and the failing seed ends
+    # the point (seed 2 never runs there); the search goes on below it
+    plan, rounds, outcomes = search(world(0.05, bad_seed_at={0.0316228: 1}), rule=near, schedule="thrifty")
+    assert rounds[:4] == [
+        ("bisect", ((0.1, 0),)),
+        ("bisect", ((0.0316228, 0),)),
+        ("confirm", ((0.0316228, 1),)),
+        ("bisect", ((0.0177828, 0),)),
+    ]
+    assert (0.0316228, 2) not in outcomes and (0.0562341, 0) not in outcomes
+    assert (plan.bracket.healthy, plan.bracket.unhealthy) == (0.0177828, 0.0316228)
+    # decisive first seeds (more than 0.3 below 5.4) let the bisection move on, and need no other seed
+    plan, rounds, outcomes = search(world(0.05), rule=HealthRule(reference=4.9, decisive=0.3), schedule="thrifty")
+    assert [p for p, _ in rounds] == ["bisect", "bisect", "bisect"] and len(outcomes) == 3
+
+
+def replay(folder: str, schedule: str) -> dict[str, tuple[float | None, float | None, int]]:
+    """Each variant's (h, u, trial-steps) when the search is replayed on a logged study's outcomes."""
+    known, spec = logged_science_trials(folder)
+    out = {}
+    for variant in spec["variants"]:
+        plan, _, outcomes = search(
+            lambda lr, seed, v=variant: known[(v, lr, seed)], rule=HealthRule(**spec["rule"]), schedule=schedule
+        )
+        out[variant] = (plan.bracket.healthy, plan.bracket.unhealthy, sum(o.steps for o in outcomes.values()))
+    return out
+
+
+def test_the_thrifty_schedule_replays_the_wide_searchs_study_under_forty_percent_of_the_grid():
+    """Trials are deterministic on one machine, so a schedule is replayed exactly from logged outcomes. The wide
+    search of docs/science/frontier-wide gives back its own 6,366 trial-steps; the thrifty schedule on the same
+    trials (and one grid run: sandwich norm at 0.1) reaches the same brackets with 5,466, 38.0 % of the 48-run
+    grid's 14,400."""
+    assert replay("frontier-wide", "wide") == {
+        "baseline": (0.0316228, 0.0562341, 1800),
+        "g1-elementwise": (0.177828, 0.316228, 2466),
+        "g1-headwise": (0.0562341, 0.1, 1800),
+        "sandwich-norm": (1.0, None, 300),
+    }
+    thrifty = replay("frontier-wide", "thrifty")
+    assert thrifty == {
+        "baseline": (0.0316228, 0.0562341, 1500),
+        "g1-elementwise": (0.177828, 0.316228, 1866),
+        "g1-headwise": (0.0562341, 0.1, 1500),
+        "sandwich-norm": (1.0, None, 600),
+    }
+    assert sum(s for *_, s in thrifty.values()) == 5466 <= 0.40 * 48 * 300
+
+
+def test_the_thrifty_run_of_the_cpu_study_is_what_its_schedule_replays():
+    """docs/science/frontier: the real thrifty search (and the grid beside it, run on the same machine and code;
+    the five completed trials at grid points equal the grid's runs). Replaying the schedule on its outcomes asks for
+    exactly the trials it ran: 5,486 trial-steps, 38.1 % of the 48-run grid, the same brackets as the wide search."""
+    assert replay("frontier", "thrifty") == {
+        "baseline": (0.0316228, 0.0562341, 1500),
+        "g1-elementwise": (0.177828, 0.316228, 1886),
+        "g1-headwise": (0.0562341, 0.1, 1500),
+        "sandwich-norm": (1.0, None, 600),
+    }
+    report = json.loads((SCIENCE / "frontier" / "frontier_report.json").read_text())
+    assert report["spec"]["schedule"] == "thrifty" and report["spent_trial_steps"] == 5486
+    assert report["grid"]["trial_steps"] == 14400 and 5486 <= 0.40 * 14400
 
 
 def test_point_status_counts():
