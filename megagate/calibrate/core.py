@@ -15,7 +15,7 @@ from megagate.calibrate import collectives, framework, measure
 from megagate.calibrate.timing import Deadline
 from megagate.errors import MegagateError
 from megagate.plan import curves
-from megagate.plan.profile import DeviceProfile, Host, Link
+from megagate.plan.profile import Curve, DeviceProfile, Host, Link
 
 # shares of the budget left when each section starts (the framework's trainer steps matter most on a CPU)
 SHARES = {"bandwidth": 0.02, "gemm": 0.25, "grouped": 0.06, "collectives": 0.35, "attention": 0.3}
@@ -85,9 +85,14 @@ def calibrate(budget_s: float = 110.0, ranks: int = 2, log: Callable[[str], None
     g = measure.grouped_samples(main, deadline.share(SHARES["grouped"]))
     samples["experts"] = g
     grouped = {}
-    if g["grouped"]:
-        per_expert = [(tokens, n, k, t / experts) for experts, tokens, n, k, t in g["grouped"]]
-        grouped[main], _ = curves.fit_gemm(per_expert)
+    curve = grouped_curve(g["grouped"])
+    if curve is not None:
+        grouped[main] = curve
+    elif g["grouped"]:
+        log(
+            f"calibrate: the grouped GEMM's {len(g['grouped'])} timings do not grow with tokens per expert; the plan "
+            "times experts as one GEMM each"
+        )
     log(f"calibrate: experts by tokens per expert, {'a grouped GEMM' if grouped else 'one GEMM each'} measured")
 
     intra, local_ranks, alltoall = UNMEASURED_LINK, {}, 1.0
@@ -160,6 +165,17 @@ def calibrate(budget_s: float = 110.0, ranks: int = 2, log: Callable[[str], None
     )
     log(f"calibrate: done in {deadline.elapsed():.0f} s")
     return p
+
+
+def grouped_curve(samples: list[tuple[int, int, int, int, float]]) -> Curve | None:
+    """The grouped GEMM's per-expert curve from (experts, tokens per expert, n, k, seconds), or None when the
+    timings cannot give one (fewer than two token counts, or no time growing with the work: a noisy moment)."""
+    if len({tokens for _, tokens, *_ in samples}) < 2:
+        return None
+    try:
+        return curves.fit_gemm([(tokens, n, k, t / experts) for experts, tokens, n, k, t in samples])[0]
+    except ValueError:
+        return None
 
 
 def _framework(provisional: DeviceProfile, precision: str, deadline: Deadline) -> tuple[Host, dict, list[str]]:

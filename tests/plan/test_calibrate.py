@@ -112,3 +112,20 @@ def test_gemm_timings_that_do_not_grow_with_the_work_are_one_line(monkeypatch) -
     with pytest.raises(MegagateError, match=r"the fp32 GEMM timings of 3 shapes do not grow with their work") as e:
         core.calibrate(5.0, ranks=1, log=lambda line: None)
     assert "\n" not in str(e.value) and "--budget-s" in str(e.value)
+
+
+def test_grouped_gemm_timings_too_few_or_flat_give_no_curve_not_a_traceback() -> None:
+    """The grouped GEMM section's share of the budget can run out after one token count, or its few timings can
+    shrink as the work grows (a noisy moment): calibrate then times experts as one GEMM each. Before, fit_gemm's
+    ValueError ended the calibration with a traceback."""
+    from megagate.calibrate import core
+
+    # (experts, tokens per expert, n, k, seconds): 8 experts of 128 x 64
+    assert core.grouped_curve([]) is None
+    assert core.grouped_curve([(8, 1, 128, 64, 1e-4)]) is None  # one token count: no curve
+    assert core.grouped_curve([(8, 1, 128, 64, 1e-3), (8, 8, 128, 64, 5e-4), (8, 32, 128, 64, 2e-4)]) is None
+    # per expert 2*t*128*64 FLOPs at 1 GFLOP/s plus 10 us: the rate and latency come back
+    good = [(8, t, 128, 64, 8 * (1e-5 + 2 * t * 128 * 64 / 1e9)) for t in (1, 8, 32, 128)]
+    curve = core.grouped_curve(good)
+    assert curve is not None and curve.rate == pytest.approx(1e9, rel=1e-6)
+    assert curve.latency == pytest.approx(1e-5, rel=1e-6) and curve.half == 0.0
