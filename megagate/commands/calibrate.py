@@ -7,6 +7,7 @@ import math
 import os
 
 HELP = "measure this machine (GEMMs, attention, bandwidth, collectives, the trainer's overheads) into a device profile"
+MIN_BUDGET_S = 20.0  # below this the sections' shares are too short to fit a curve
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,8 +26,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not (0 < args.budget_s < math.inf):
         raise ConfigError(f"--budget-s {args.budget_s}: must be a positive number of seconds")
-    if args.budget_s < 20:
-        raise ConfigError(f"--budget-s {args.budget_s}: calibration needs at least 20 seconds")
+    if args.budget_s < MIN_BUDGET_S:
+        raise ConfigError(f"--budget-s {args.budget_s}: calibration needs at least {MIN_BUDGET_S:.0f} seconds")
     if args.ranks is not None and args.ranks < 1:
         raise ConfigError(f"--ranks {args.ranks}: must be >= 1")
     if os.path.isdir(args.out):

@@ -8,6 +8,7 @@ the rerun restarted from the previous checkpoint; a SIGKILLed trainer left the M
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -233,6 +234,11 @@ def test_second_sigint_aborts_at_once_even_inside_a_collective(tmp_path, session
                 break
             time.sleep(0.02)
         aborted_in = time.monotonic() - sent
+        # the peer hangs on purpose and takes SIGTERM as "save, then stop": torchrun would wait its 30 s close
+        # timeout before killing it; that wait is torchrun's, not under test here
+        peer = json.loads((F.launches(tmp_path)[-1] / "rank00001.json").read_text())["pid"]
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(peer, signal.SIGKILL)
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

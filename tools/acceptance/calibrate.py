@@ -26,8 +26,12 @@ def body(args, record: child.Record) -> None:
     cmd = [sys.executable, "-m", "megagate", "calibrate", "--out", str(profile)]
     if has_option("calibrate", "--budget-s"):
         # its measurements within the part's share: 60 s left for start-up (torch, megatron, the CUDA context), the
-        # last trainer variant running past the budget, and the plan from the profile (120 s share: 60 s measured)
-        cmd += ["--budget-s", f"{max(15.0, args.seconds - 60):.0f}"]
+        # last trainer variant running past the budget, and the plan from the profile (120 s share: 60 s measured);
+        # the smoke proves the plumbing, so it measures for calibrate's least budget, whatever its share
+        from megagate.commands.calibrate import MIN_BUDGET_S
+
+        budget = MIN_BUDGET_S if args.smoke else max(MIN_BUDGET_S, args.seconds - 60)
+        cmd += ["--budget-s", f"{budget:.0f}"]
     record.update(command=" ".join(cmd[2:]))
     proc = subprocess.run(cmd, timeout=max(10.0, args.seconds - 20), env=dict(os.environ))
     if proc.returncode != 0 or not profile.exists():
