@@ -1,10 +1,12 @@
 """The real trainer (`megagate train`) on the real local Slurm cluster, submitted with `megagate submit`.
 
 2 nodes x 2 tasks = 4 ranks, TP=2 x DP=2 over gloo, the tiny gated model on the demo corpus, 12 steps (global batch
-8, micro batch 2, sequence 64), a checkpoint every 3 steps. References outside Slurm: the same run under
-`torchrun --standalone --nproc-per-node 4` and a single-process run (TP=1, DP=1), built once per module.
+8, micro batch 2, sequence 64), a checkpoint every 3 steps. References outside Slurm: the same run's 4 ranks on one
+host with torchrun's variables (forked from the preloaded server, as the hang tests' references are: those tests find
+torchrun's ranks bit-identical to them) and a single-process run (TP=1, DP=1), built once per module.
 
-- an uninterrupted Slurm job's losses and final weights equal torchrun's exactly (and the single process's closely);
+- an uninterrupted Slurm job's losses and final weights equal the 4 local ranks' exactly (and the single process's
+  closely);
 - in one job: a rank SIGKILLed mid-run fails the step, the job requeues and resumes from the latest checkpoint; the
   resumed launch then gets the warning signal (USR1 to the batch shell), checkpoints and exits 0, the job requeues
   again, resumes exactly there and finishes with the uninterrupted run's losses (replayed steps logged once) and
@@ -37,9 +39,9 @@ from helpers.trainer_runs import (
     launches,
     losses,
     overrides,
+    train_ranks,
     train_records,
     train_single,
-    train_torchrun,
     wait_lines,
 )
 
@@ -50,20 +52,20 @@ SLURM_TIMEOUT = 300
 class Reference:
     demo_dir: Path
     single: Path  # one process, TP=1
-    torchrun: Path  # torchrun --standalone --nproc-per-node 4, TP=2 x DP=2
+    ranks: Path  # 4 ranks on this host, TP=2 x DP=2
 
     def losses(self) -> dict[int, float]:
-        return losses(self.torchrun)
+        return losses(self.ranks)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, session_demo_dir) -> Reference:
     """The uninterrupted runs outside Slurm, on the session's demo corpus."""
     root = tmp_path_factory.mktemp("trainer-ref")
-    ref = Reference(session_demo_dir, root / "single", root / "torchrun")
+    ref = Reference(session_demo_dir, root / "single", root / "ranks")
     t_single = train_single(ref.demo_dir, ref.single)
-    t_torchrun = train_torchrun(ref.demo_dir, ref.torchrun)
-    print(f"reference runs: single process {t_single:.1f} s, torchrun x4 {t_torchrun:.1f} s")
+    t_ranks = train_ranks(ref.demo_dir, ref.ranks)
+    print(f"reference runs: single process {t_single:.1f} s, 4 ranks {t_ranks:.1f} s")
     return ref
 
 
@@ -136,8 +138,10 @@ def assert_same_final_state(out: Path, reference: Path) -> int:
 
 
 @pytest.mark.slurm
-def test_trainer_slurm_job_matches_torchrun(slurm, reference: Reference, tmp_path: Path, monkeypatch, capsys) -> None:
-    """(1) `megagate submit` -> 4 ranks on 2 nodes train to completion; loss curve and weights = torchrun's."""
+def test_trainer_slurm_job_matches_the_local_ranks(
+    slurm, reference: Reference, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """(1) `megagate submit` -> 4 ranks on 2 nodes train to completion; loss curve and weights = the local ranks'."""
     out = tmp_path / "run"
     t0 = time.monotonic()
     job = submit(slurm, tmp_path, "plain", out, reference.demo_dir, monkeypatch, capsys)
@@ -152,7 +156,7 @@ def test_trainer_slurm_job_matches_torchrun(slurm, reference: Reference, tmp_pat
     assert want[STEPS] < want[1] - 0.3  # it trained (7.63 -> 7.20 measured)
     single = losses(reference.single)  # TP=1 x DP=1: other reduction orders, the same model and data
     assert max(abs(single[s] - got[s]) for s in got) < 1e-4
-    n = assert_same_final_state(out, reference.torchrun)
+    n = assert_same_final_state(out, reference.ranks)
     w_got, w_single = checkpoint_tensors(final_checkpoint(out)), checkpoint_tensors(final_checkpoint(reference.single))
     assert max(float((w_got[k] - w_single[k]).abs().max()) for k in w_got if k.startswith("decoder.")) < 1e-5
     print(f"slurm job {job}: {elapsed:.1f} s from submit to COMPLETED; {STEPS} losses and {n} tensors bit-identical")
@@ -207,7 +211,7 @@ def test_trainer_killed_rank_and_warning_signal_resume(
     want = reference.losses()
     logged = first + second + third
     assert logged == [(s, want[s]) for s in range(1, STEPS + 1)]  # bit-identical, each step once
-    n = assert_same_final_state(out, reference.torchrun)
+    n = assert_same_final_state(out, reference.ranks)
     print(
         f"rank 2 killed after step {killed_at} (requeued {t_requeued:.1f} s after submit), resumed at {resumed}; "
         f"USR1 after step {resumed_seen}, stopped at {stopped}, resumed, finished: {elapsed:.1f} s submit -> "
@@ -253,7 +257,7 @@ def test_trainer_full_job_usr1_saves_stop_checkpoint_and_resumes(
     assert [s for s, _ in second] == list(range(stopped + 1, STEPS + 1))
     want = reference.losses()
     assert first + second == [(s, want[s]) for s in range(1, STEPS + 1)]  # bit-identical
-    n = assert_same_final_state(out, reference.torchrun)
+    n = assert_same_final_state(out, reference.ranks)
     print(
         f"USR1 --full after step {CHECKPOINT_INTERVAL}'s checkpoint: stopped at {stopped}, resumed, finished in "
         f"{elapsed:.1f} s; {STEPS} losses and {n} tensors bit-identical"
@@ -270,7 +274,7 @@ def test_trainer_hang_is_diagnosed_requeued_resumed_and_finishes(
     slurm, reference: Reference, tmp_path: Path, monkeypatch, capsys
 ) -> None:
     """A rank that hangs: the watchdog ends the step (exit 75) with the diagnosis, the batch script records it as
-    the reason and requeues; the job resumes from step 3's checkpoint and ends bit-identical to torchrun's run."""
+    the reason and requeues; the job resumes from step 3's checkpoint and ends bit-identical to the local ranks' run."""
     from helpers.fault_runs import WATCHDOG
 
     out = tmp_path / "run"
@@ -289,7 +293,7 @@ def test_trainer_hang_is_diagnosed_requeued_resumed_and_finishes(
     first = sorted((out / "watchdog").iterdir())[0]
     assert sorted(p.name for p in first.glob("stacks-rank*.txt")) == [f"stacks-rank{r:05d}.txt" for r in range(4)]
     assert losses(out) == reference.losses()  # bit-identical, each step once
-    assert_same_final_state(out, reference.torchrun)
+    assert_same_final_state(out, reference.ranks)
 
 
 @pytest.mark.slurm
