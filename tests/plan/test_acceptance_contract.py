@@ -15,6 +15,7 @@ from megagate import cli
 from megagate.plan import profile as profile_mod
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/ lives at the repository root
+from tools.acceptance.calibrate import budget_s  # noqa: E402
 from tools.acceptance.plan_part import has_option, plan_figures  # noqa: E402
 
 CONFIG = "tools/acceptance/acceptance.yaml"
@@ -24,6 +25,17 @@ READ = ("fits", "peak_gb", "step_s", "tokens_per_s_per_gpu", "mfu", "device", "k
 def test_the_commands_have_the_flags_the_acceptance_passes() -> None:
     assert has_option("plan", "--json") and has_option("plan", "--profile") and has_option("plan", "--gpu")
     assert has_option("calibrate", "--out") and has_option("calibrate", "--budget-s")
+
+
+def test_calibrate_part_budget_is_never_one_calibrate_refuses() -> None:
+    """A 120 s share measures for 60 s; a short one (a --cap under 80 s) for calibrate's least, 20 s, where it once
+    asked for 15 and calibrate refused; the smoke measures for the least whatever its share."""
+    from megagate.commands.calibrate import MIN_BUDGET_S
+
+    assert MIN_BUDGET_S == 20
+    assert budget_s(120, smoke=False) == 60 and budget_s(300, smoke=False) == 240
+    assert budget_s(70, smoke=False) == 20 and budget_s(30, smoke=False) == 20
+    assert budget_s(600, smoke=True) == 20
 
 
 def test_plan_part_reads_every_figure_from_the_json(capsys) -> None:

@@ -16,6 +16,15 @@ from tools.acceptance import child
 from tools.acceptance.plan_part import has_option, plan_figures
 
 
+def budget_s(share_s: float, smoke: bool) -> float:
+    """`megagate calibrate --budget-s` for a part's share: 60 s of the share left for start-up (torch, megatron, the
+    CUDA context), the last trainer variant running past the budget, and the plan from the profile (a 120 s share
+    measures for 60 s), never under calibrate's least; the smoke proves the plumbing, so it measures for the least."""
+    from megagate.commands.calibrate import MIN_BUDGET_S
+
+    return MIN_BUDGET_S if smoke else max(MIN_BUDGET_S, share_s - 60)
+
+
 def body(args, record: child.Record) -> None:
     from megagate.cli import COMMANDS
 
@@ -25,13 +34,7 @@ def body(args, record: child.Record) -> None:
     profile = Path(args.profile)
     cmd = [sys.executable, "-m", "megagate", "calibrate", "--out", str(profile)]
     if has_option("calibrate", "--budget-s"):
-        # its measurements within the part's share: 60 s left for start-up (torch, megatron, the CUDA context), the
-        # last trainer variant running past the budget, and the plan from the profile (120 s share: 60 s measured);
-        # the smoke proves the plumbing, so it measures for calibrate's least budget, whatever its share
-        from megagate.commands.calibrate import MIN_BUDGET_S
-
-        budget = MIN_BUDGET_S if args.smoke else max(MIN_BUDGET_S, args.seconds - 60)
-        cmd += ["--budget-s", f"{budget:.0f}"]
+        cmd += ["--budget-s", f"{budget_s(args.seconds, args.smoke):.0f}"]
     record.update(command=" ".join(cmd[2:]))
     proc = subprocess.run(cmd, timeout=max(10.0, args.seconds - 20), env=dict(os.environ))
     if proc.returncode != 0 or not profile.exists():
