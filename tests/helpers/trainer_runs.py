@@ -36,7 +36,7 @@ def overrides(demo_dir: Path, out: Path, tp: int = 2) -> list[str]:
         "logging.tensorboard=false",
         f"checkpoint.interval={CHECKPOINT_INTERVAL}",
         f"parallel.tensor_model_parallel_size={tp}",
-        *STRAGGLER,  # and no straggler may be reported (train_ranks checks; the Slurm tests check their runs too)
+        *STRAGGLER,  # and no straggler may be reported (train_local checks; the Slurm tests check their runs too)
     ]
 
 
@@ -53,26 +53,19 @@ def local_env() -> dict[str, str]:
     return env
 
 
-def train_single(demo_dir: Path, out: Path) -> float:
-    """The single-process run (a forked child of helpers.forked: no torchrun, no Slurm to test here)."""
+def train_local(demo_dir: Path, out: Path, nproc: int) -> float:
+    """The shared run outside Slurm, its ranks forked from the preloaded server (helpers.forked, with the variables
+    torchrun gives its workers: tests/train/test_hang_watchdog.py finds torchrun's own ranks bit-identical to them):
+    one process at TP=1, or `nproc` ranks at TP=2, checked for stragglers. Returns its wall time."""
     t0 = time.monotonic()
-    argv = ["train", "--config", str(CONFIG), *overrides(demo_dir, out, tp=1)]
-    proc = forked.run_cli(argv, env=local_env(), timeout=300, stderr_to_stdout=True)
-    out.with_suffix(".log").write_text(proc.stdout)
-    assert proc.returncode == 0, f"megagate train (single process) exited {proc.returncode}:\n{proc.stdout[-4000:]}"
-    return time.monotonic() - t0
-
-
-def train_ranks(demo_dir: Path, out: Path, nproc: int = 4) -> float:
-    """The TP=2 x DP=2 run outside Slurm: its ranks forked from the preloaded server with the variables torchrun
-    gives its workers (helpers.forked; tests/train/test_hang_watchdog.py finds torchrun's own ranks bit-identical to
-    them), checked for stragglers; returns its wall time."""
-    t0 = time.monotonic()
-    argv = ["train", "--config", str(CONFIG), *overrides(demo_dir, out)]
+    argv = ["train", "--config", str(CONFIG), *overrides(demo_dir, out, tp=2 if nproc > 1 else 1)]
     proc = forked.run_cli(argv, env=local_env(), nproc=nproc, timeout=300, stderr_to_stdout=True)
     out.with_suffix(".log").write_text(proc.stdout)
-    assert proc.returncode == 0, f"megagate train ({nproc} ranks) exited {proc.returncode}:\n{proc.stdout[-4000:]}"
-    no_stragglers(out)
+    assert proc.returncode == 0, (
+        f"megagate train ({nproc} process(es)) exited {proc.returncode}:\n{proc.stdout[-4000:]}"
+    )
+    if nproc > 1:
+        no_stragglers(out)
     return time.monotonic() - t0
 
 

@@ -39,9 +39,8 @@ from helpers.trainer_runs import (
     launches,
     losses,
     overrides,
-    train_ranks,
+    train_local,
     train_records,
-    train_single,
     wait_lines,
 )
 
@@ -63,8 +62,8 @@ def reference(tmp_path_factory, session_demo_dir) -> Reference:
     """The uninterrupted runs outside Slurm, on the session's demo corpus."""
     root = tmp_path_factory.mktemp("trainer-ref")
     ref = Reference(session_demo_dir, root / "single", root / "ranks")
-    t_single = train_single(ref.demo_dir, ref.single)
-    t_ranks = train_ranks(ref.demo_dir, ref.ranks)
+    t_single = train_local(ref.demo_dir, ref.single, nproc=1)
+    t_ranks = train_local(ref.demo_dir, ref.ranks, nproc=4)
     print(f"reference runs: single process {t_single:.1f} s, 4 ranks {t_ranks:.1f} s")
     return ref
 

@@ -26,28 +26,24 @@ from megagate.health import watchdog
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 INTERVAL = ["checkpoint.interval=2", "checkpoint.keep_last=3"]
-# (rank, phase, step, the checkpoint the next launch resumes from) per world size
-HANGS = {
-    4: [(2, "forward_backward", 5, 4), (0, "optimizer", 7, 6), (3, "save", 10, 8)],
-}
+NPROC = 4
+# (rank, phase, step, the checkpoint the next launch resumes from), one hang per launch
+HANGS = [(2, "forward_backward", 5, 4), (0, "optimizer", 7, 6), (3, "save", 10, 8)]
 
 
-def faults(nproc: int) -> str:
-    items = [f"{{step: {s}, kind: hang, rank: {r}, phase: {p}}}" for r, p, s, _ in HANGS[nproc]]
+def faults() -> str:
+    items = [f"{{step: {s}, kind: hang, rank: {r}, phase: {p}}}" for r, p, s, _ in HANGS]
     return f"monitor.faults=[{', '.join(items)}]"
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory, session_demo_dir) -> dict[int, Path]:
-    """The uninterrupted runs (same checkpoint cadence and watchdog, no faults), per world size: the ranks forked
-    from the preloaded server (helpers.forked; their losses and weights are what torchrun's ranks compute), with the
-    straggler window and its no-straggler check (tiny_runs.run_train)."""
-    out = {}
-    for nproc in HANGS:
-        path = tmp_path_factory.mktemp(f"hang-reference-{nproc}")
-        T.run_train(path, session_demo_dir, *INTERVAL, *F.WATCHDOG, nproc=nproc, timeout=900)
-        out[nproc] = path
-    return out
+def reference(tmp_path_factory, session_demo_dir) -> Path:
+    """The uninterrupted run (same checkpoint cadence and watchdog, no faults): the ranks forked from the preloaded
+    server (helpers.forked; their losses and weights are what torchrun's ranks compute), with the straggler window
+    and its no-straggler check (tiny_runs.run_train)."""
+    path = tmp_path_factory.mktemp("hang-reference")
+    T.run_train(path, session_demo_dir, *INTERVAL, *F.WATCHDOG, nproc=NPROC, timeout=900)
+    return path
 
 
 def check_hang_launch(out: Path, launch: F.Launch, nproc: int, rank: int, phase: str, step: int) -> float:
@@ -77,27 +73,23 @@ def check_hang_launch(out: Path, launch: F.Launch, nproc: int, rank: int, phase:
     return elapsed
 
 
-@pytest.mark.parametrize("nproc", sorted(HANGS))
-def test_hangs_end_the_job_with_a_diagnosis_and_the_rerun_ends_bit_identical(
-    nproc, references, tmp_path, session_demo_dir
-):
+def test_hangs_end_the_job_with_a_diagnosis_and_the_rerun_ends_bit_identical(reference, tmp_path, session_demo_dir):
     out = tmp_path / "run"
     timings = []
-    for rank, phase, step, resume_at in HANGS[nproc]:
-        launch = F.torchrun(out, session_demo_dir, nproc, *INTERVAL, *F.WATCHDOG, faults(nproc))
-        timings.append(check_hang_launch(out, launch, nproc, rank, phase, step))
+    for rank, phase, step, resume_at in HANGS:
+        launch = F.torchrun(out, session_demo_dir, NPROC, *INTERVAL, *F.WATCHDOG, faults())
+        timings.append(check_hang_launch(out, launch, NPROC, rank, phase, step))
         latest = sorted(p.name for p in (out / "checkpoints").glob("iter_*"))[-1]
         assert latest == f"iter_{resume_at:07d}", latest
-    final = F.torchrun(out, session_demo_dir, nproc, *INTERVAL, *F.WATCHDOG, faults(nproc))
+    final = F.torchrun(out, session_demo_dir, NPROC, *INTERVAL, *F.WATCHDOG, faults())
     assert final.rc == 0, final.log[-4000:]
-    assert "resumed from" in final.log and f"iter_{HANGS[nproc][-1][3]:07d} at step" in final.log
-    reference = references[nproc]
+    assert "resumed from" in final.log and f"iter_{HANGS[-1][3]:07d} at step" in final.log
     assert T.losses(out) == T.losses(reference)  # every step logged once, bit-identical
     ours = T.checkpoint_tensors(out / "checkpoints" / "iter_0000012", tmp_path)
     theirs = T.checkpoint_tensors(reference / "checkpoints" / "iter_0000012", tmp_path)
     assert ours.keys() == theirs.keys() and len(ours) >= 9
     assert all((ours[k] == theirs[k]).all() for k in ours)
-    print(f"{nproc} ranks: hang to exit {', '.join(f'{t:.1f} s' for t in timings)}")
+    print(f"{NPROC} ranks: hang to exit {', '.join(f'{t:.1f} s' for t in timings)}")
 
 
 def test_a_sigstopped_rank_is_named_and_killed(tmp_path, session_demo_dir):

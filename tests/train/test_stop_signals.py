@@ -236,9 +236,8 @@ def test_second_sigint_aborts_at_once_even_inside_a_collective(tmp_path, session
         aborted_in = time.monotonic() - sent
         # the peer hangs on purpose and takes SIGTERM as "save, then stop": torchrun would wait its 30 s close
         # timeout before killing it; that wait is torchrun's, not under test here
-        peer = json.loads((F.launches(tmp_path)[-1] / "rank00001.json").read_text())["pid"]
         with contextlib.suppress(ProcessLookupError):
-            os.kill(peer, signal.SIGKILL)
+            os.kill(F.record(F.launches(tmp_path)[-1], 1)["pid"], signal.SIGKILL)
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
