@@ -235,7 +235,12 @@ def test_second_sigint_aborts_at_once_even_inside_a_collective(tmp_path, session
             time.sleep(0.02)
         aborted_in = time.monotonic() - sent
         # the peer hangs on purpose and takes SIGTERM as "save, then stop": torchrun would wait its 30 s close
-        # timeout before killing it; that wait is torchrun's, not under test here
+        # timeout before killing it; that wait is torchrun's, not under test here. Killed only once torchrun has
+        # reaped rank 0: a thread-group leader reads "Z" while its other threads still exit, and a peer killed then
+        # is the first failure torchrun sees (its -9, not rank 0's 130, in the summary)
+        reaped = time.monotonic() + 30
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < reaped:
+            time.sleep(0.02)
         with contextlib.suppress(ProcessLookupError):
             os.kill(F.record(F.launches(tmp_path)[-1], 1)["pid"], signal.SIGKILL)
         output, _ = proc.communicate(timeout=120)

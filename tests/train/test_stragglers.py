@@ -45,10 +45,23 @@ def test_a_slow_rank_is_reported_within_the_window(tmp_path, session_demo_dir, c
     host = watchdog.host_name()
     assert reports and {(r["rank"], r["host"]) for r in reports} == {(1, host)}, reports  # rank 0 never
     first = reports[0]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(out / "tensorboard"))
+    tb.Reload()
+    ratios = {e.step: e.value for e in tb.Scalars("straggler/max_compute_ratio")}
+    slowest = {e.step: e.value for e in tb.Scalars("straggler/slowest_rank")}
     # reported after WINDOWS slow windows of INTERVAL steps; a window ends at the last step every rank's record holds
     # and spans at least 3/4 of the interval: records written a heartbeat (0.25 s, ~2 steps here) apart may delay the
-    # first windows by up to two looks (reported at steps 6-11 here, quiet or beside two busy processes)
-    assert first["step"] <= INTERVAL * (WINDOWS + 2), reports
+    # first windows by up to two looks (reported at steps 6-11 here, quiet or beside two busy processes), and a host
+    # busy with the other worker's ranks may hide one window (rank 0 descheduled on each of its steps: reported at
+    # step 19 in a CI run)
+    assert first["step"] <= INTERVAL * (WINDOWS + 3), (reports, ratios, slowest)
+    # the looks (TensorBoard's steps; a report's step is its window's last) up to the first report's
+    reported = [e.step for e in tb.Tensors("straggler/reports/text_summary")]
+    slow = [slowest[s] == 1.0 and ratios[s] > 1.25 for s in sorted(ratios) if s <= reported[0]]
+    assert slow[-WINDOWS:] == [True] * WINDOWS and slow.count(False) <= 1, (reports, ratios, slowest)
     # the injected 1.5x reads 1.3-1.7 on a quiet machine; a loaded one deschedules the slow rank on top (4.0 seen in
     # a 47-minute suite run on a slower 2-core machine), so the upper bound only catches a gross error
     assert 1.25 < first["ratio"] < 6 and first["windows"] == WINDOWS, first
@@ -60,13 +73,6 @@ def test_a_slow_rank_is_reported_within_the_window(tmp_path, session_demo_dir, c
     assert any(r["others_wait_s"] > r["wait_s"] for r in reports), reports
     assert f"straggler: rank 1 ({host}) computes {first['ratio']:.2f}x as long as the other ranks" in launch.log
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    tb = EventAccumulator(str(out / "tensorboard"))
-    tb.Reload()
-    ratios = {e.step: e.value for e in tb.Scalars("straggler/max_compute_ratio")}
-    slowest = {e.step: e.value for e in tb.Scalars("straggler/slowest_rank")}
-    reported = [e.step for e in tb.Tensors("straggler/reports/text_summary")]
     assert len(reported) == len(reports), (reported, reports)
     # at each report rank 1 was the slowest, over the margin (in a window without a report, a few steps of rank 0
     # descheduled on a loaded machine may make it the slowest: one window is no report)
