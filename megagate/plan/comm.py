@@ -31,6 +31,7 @@ class Topology:
     inter: Link
     alltoall_efficiency: float = 1.0
     overlap_efficiency: float = 1.0  # the share of a compute window that hides communication
+    dispatch_share: float = 0.0  # the share of the compute the MoE dispatcher's kernels hold while they run
 
     def hidden(self, seconds: float, window: float) -> float:
         """What of `seconds` of communication stays exposed behind `window` seconds of compute."""
@@ -43,7 +44,14 @@ class Topology:
             domain = max(ranks_per_node, profile.nvlink_domain)
         else:
             domain = ranks_per_node
-        return cls(domain, profile.intra, profile.inter, profile.alltoall_efficiency, profile.overlap_efficiency)
+        return cls(
+            domain,
+            profile.intra,
+            profile.inter,
+            profile.alltoall_efficiency,
+            profile.overlap_efficiency,
+            profile.dispatch_compute_share,
+        )
 
     def intra_share(self, size: int, stride: int) -> float:
         """The share of a rank's peers in its own domain, for a group of `size` ranks `stride` apart."""
@@ -85,6 +93,36 @@ class Topology:
         return latency + max(intra, inter)
 
 
+@dataclass(frozen=True)
+class EpWindows:
+    """A MoE layer's device seconds per micro-batch on either side of the dispatch: `pre` (attention, norms, router:
+    megatron's pre_dispatch_computation) and `mlp` (permute, experts, unpermute), forward and backward."""
+
+    pre_fwd: float = 0.0
+    pre_bwd: float = 0.0
+    mlp_fwd: float = 0.0
+    mlp_bwd: float = 0.0
+
+
+def ep_overlap_exposed(topo: Topology, a2a: float, win: EpWindows) -> float:
+    """Exposed seconds of one layer's four all-to-alls (`a2a` each) under megatron's EP A2A overlap, which runs one
+    micro-batch's forward of the layer beside another's backward in three phases on two streams
+    (megatron/core/models/common/model_chunk_schedule_plan.py, TransformerLayerSchedulePlan.run):
+
+        comm: combine bwd        | dispatch fwd, dispatch bwd | combine fwd
+        comp: pre-dispatch fwd   | mlp bwd, mlp fwd           | pre-dispatch bwd
+
+    Each phase ends when both streams have, so a phase's traffic hides only behind that phase's compute. The
+    dispatcher's kernels hold a share s of the device while they run, so the compute beside them runs slower: a
+    phase of C seconds of traffic beside W of compute takes W + max(C - W, s C) (past the window, the traffic;
+    within it, the compute lost to the shared device)."""
+
+    def phase(c: float, w: float) -> float:
+        return max(topo.hidden(c, w), topo.dispatch_share * c)
+
+    return phase(a2a, win.pre_fwd) + phase(2 * a2a, win.mlp_bwd + win.mlp_fwd) + phase(a2a, win.pre_bwd)
+
+
 @dataclass
 class LayerComm:
     """Exposed communication of one layer and micro-batch on one rank, forward and backward, by kind."""
@@ -101,12 +139,12 @@ def layer_comm(
     w: Workload,
     topo: Topology,
     attention_seconds: tuple[float, float],
-    layer_seconds: float = 0.0,
+    ep_windows: EpWindows = EpWindows(),
     gemm_seconds: tuple[float, float] = (0.0, 0.0),
 ) -> LayerComm:
     """TP collectives, the MoE dispatcher's traffic and CP's K/V ring of one layer (`attention_seconds`: the core
-    attention's forward/backward device time, which the CP exchange overlaps; `layer_seconds`: the layer's forward +
-    backward device time, which hides the dispatch with `ep_overlap`; `gemm_seconds`: the layer's dense GEMMs forward
+    attention's forward/backward device time, which the CP exchange overlaps; `ep_windows`: the layer's compute
+    either side of the dispatch, which hides it with `ep_overlap`; `gemm_seconds`: the layer's dense GEMMs forward
     and backward, which hide the TP collectives with `tp_overlap`)."""
     m, a = w.model, w.act_bytes
     h, T, Tsp = m.hidden_size, w.tokens, w.tokens_sp
@@ -133,8 +171,8 @@ def layer_comm(
             dedup = dict(token_bytes=Tsp * h * a, topk=m.moe_router_topk) if w.dispatcher == "flex" else {}
             ep = 2 * topo.alltoall(w.ep, w.expert_tp, Tsp * k * h * a * (w.ep - 1) / w.ep, **dedup)
         if w.ep_overlap and (w.pp == 1 or w.vpp):  # megatron's EP A2A overlap needs VPP when PP > 1
-            # another micro-batch's compute runs under this one's dispatch and combine
-            ep = topo.hidden(ep, layer_seconds / 2)
+            # another micro-batch's compute runs under this one's dispatch and combine, phase by phase
+            ep = ep_overlap_exposed(topo, ep / 2, ep_windows) / 2
         fwd["EP"] = bwd["EP"] = ep
     if w.cp > 1:
         kv = 2 * T * m.num_query_groups / w.tp * m.head_dim * a

@@ -32,6 +32,7 @@ class GpuSpec:
     hbm_gbs: float  # memory bandwidth, GB/s
     cuda_names: tuple[str, ...] = ()  # torch.cuda.get_device_name() strings of this part, exactly
     nvlink_domain: int = 8  # GPUs one NVLink fabric joins
+    sms: int = 132  # streaming multiprocessors
 
     def peak_tflops(self, precision: str) -> float:
         """The dense peak for a training precision (fp32 runs on TF32 tensor cores at half the bf16 rate)."""
@@ -57,23 +58,39 @@ GPUS: dict[str, GpuSpec] = {
     g.name: g
     for g in (
         GpuSpec("h100-sxm", 80 * GB, 989.0, 1979.0, 450.0, 50.0, 3350.0, ("NVIDIA H100 80GB HBM3",)),
-        GpuSpec("h100-pcie", 80 * GB, 756.0, 1513.0, 64.0, 25.0, 2000.0, ("NVIDIA H100 PCIe",)),
+        GpuSpec("h100-pcie", 80 * GB, 756.0, 1513.0, 64.0, 25.0, 2000.0, ("NVIDIA H100 PCIe",), sms=114),
         GpuSpec("h100-nvl", 94 * GB, 835.0, 1671.0, 300.0, 50.0, 3900.0, ("NVIDIA H100 NVL",)),
         GpuSpec("h200", 141 * GB, 989.0, 1979.0, 450.0, 50.0, 4800.0, ("NVIDIA H200",)),
         GpuSpec("h200-nvl", 141 * GB, 835.0, 1671.0, 450.0, 50.0, 4800.0, ("NVIDIA H200 NVL",)),
-        GpuSpec("h20", 96 * GB, 148.0, 296.0, 450.0, 50.0, 4000.0, ("NVIDIA H20",)),
+        GpuSpec("h20", 96 * GB, 148.0, 296.0, 450.0, 50.0, 4000.0, ("NVIDIA H20",), sms=78),
         GpuSpec("gh200", 96 * GB, 989.0, 1979.0, 450.0, 50.0, 4000.0, ("NVIDIA GH200 480GB", "NVIDIA GH200 96GB HBM3")),
         GpuSpec("gh200-144gb", 144 * GB, 989.0, 1979.0, 450.0, 50.0, 4900.0, ("NVIDIA GH200 144G HBM3e",)),
         GpuSpec(
-            "a100-40gb", 40 * GB, 312.0, None, 300.0, 25.0, 1555.0, ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB")
+            "a100-40gb",
+            40 * GB,
+            312.0,
+            None,
+            300.0,
+            25.0,
+            1555.0,
+            ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"),
+            sms=108,
         ),
         GpuSpec(
-            "a100-80gb", 80 * GB, 312.0, None, 300.0, 25.0, 2039.0, ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe")
+            "a100-80gb",
+            80 * GB,
+            312.0,
+            None,
+            300.0,
+            25.0,
+            2039.0,
+            ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"),
+            sms=108,
         ),
-        GpuSpec("b200", 180 * GB, 2250.0, 4500.0, 900.0, 50.0, 8000.0, ("NVIDIA B200",)),
-        GpuSpec("gb200", 186 * GB, 2500.0, 5000.0, 900.0, 50.0, 8000.0, ("NVIDIA GB200",), nvlink_domain=72),
-        GpuSpec("l40s", 48 * GB, 362.0, 733.0, 32.0, 12.5, 864.0, ("NVIDIA L40S",)),
-        GpuSpec("l40", 48 * GB, 181.0, 362.0, 32.0, 12.5, 864.0, ("NVIDIA L40",)),
+        GpuSpec("b200", 180 * GB, 2250.0, 4500.0, 900.0, 50.0, 8000.0, ("NVIDIA B200",), sms=148),
+        GpuSpec("gb200", 186 * GB, 2500.0, 5000.0, 900.0, 50.0, 8000.0, ("NVIDIA GB200",), nvlink_domain=72, sms=148),
+        GpuSpec("l40s", 48 * GB, 362.0, 733.0, 32.0, 12.5, 864.0, ("NVIDIA L40S",), sms=142),
+        GpuSpec("l40", 48 * GB, 181.0, 362.0, 32.0, 12.5, 864.0, ("NVIDIA L40",), sms=142),
     )
 }
 

@@ -27,6 +27,7 @@ class GpuConstants:
     network: float  # ring collectives between domains: share of the per-GPU network rate
     alltoall: float  # all-to-all inside an NVLink domain: share of the ring collectives' bandwidth
     overlap: float  # the share of a compute window that hides communication run alongside it (SMs are shared)
+    dispatch_sms: float  # SMs the MoE dispatcher's all-to-all kernels hold (megatron's DeepEP default: 20)
     grouped_half: float  # a grouped GEMM's half-speed rows per expert, over a plain GEMM's
     expert_latency: float  # device seconds per local expert and grouped-GEMM call (its GEMM and fp8 casts)
     gemm_latency: float  # a GEMM kernel's shortest duration
@@ -50,6 +51,7 @@ FITTED = GpuConstants(
     network=1.0,
     alltoall=1.0,
     overlap=0.842,
+    dispatch_sms=20,
     grouped_half=0.5,
     expert_latency=8e-6,
     gemm_latency=4e-6,
@@ -109,6 +111,7 @@ def gpu_profile(spec: GpuSpec, c: GpuConstants = FITTED) -> DeviceProfile:
         nvlink_domain=spec.nvlink_domain,
         alltoall_efficiency=c.alltoall,
         overlap_efficiency=c.overlap,
+        dispatch_compute_share=min(0.5, c.dispatch_sms / spec.sms),
         source="datasheet + constants fitted on published Megatron runs",
     )
 

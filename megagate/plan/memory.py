@@ -186,14 +186,16 @@ def logits_transient(model: ModelConfig, shape: ActivationShape) -> int:
     return shape.act_bytes * shape.seq * shape.micro_batch * model.vocab_size // shape.tp
 
 
-def in_flight(pp: int, pp_rank: int, vpp: int | None, microbatches: int) -> int:
+def in_flight(pp: int, pp_rank: int, vpp: int | None, microbatches: int, ep_overlap: bool = False) -> int:
     """Forward passes of model chunks whose activations a stage holds at its peak (megatron's schedules).
 
     1F1B: min(PP - rank, M) micro-batches of the whole stage. Interleaved: (PP - rank - 1) x 2 + (VPP - 1) x PP warm-up
-    chunk forwards plus one, capped at M x VPP; each is one chunk of num_layers / (PP x VPP) layers.
+    chunk forwards plus one, capped at M x VPP; each is one chunk of num_layers / (PP x VPP) layers. The EP A2A
+    overlap (`ep_overlap`) warms up one chunk more, so that each 1F1B step's forward and backward are independent.
     """
     if vpp:
-        return min((pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1, microbatches * vpp)
+        warmup = (pp - pp_rank - 1) * 2 + (vpp - 1) * pp + (1 if ep_overlap else 0)
+        return min(warmup + 1, microbatches * vpp)
     return min(pp - pp_rank, microbatches)
 
 

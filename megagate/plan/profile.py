@@ -130,6 +130,9 @@ class DeviceProfile:
     nvlink_domain: int = 8
     alltoall_efficiency: float = 1.0  # all-to-all inside a domain: bandwidth as a share of the ring collectives'
     overlap_efficiency: float = 1.0  # the share of a compute window that hides communication run alongside it
+    # the share of the device's compute the MoE dispatcher's kernels hold while they run beside other work (the EP
+    # all-to-all overlap): the work beside them runs that much slower
+    dispatch_compute_share: float = 0.0
     cache_bandwidth: float | None = None  # bytes/s on tensors of at most `cache_bytes` (a CPU's caches)
     cache_bytes: int = 0
     threads: int | None = None  # CPU: the threads per process the curves were measured with
@@ -328,6 +331,7 @@ def from_dict(data: Any) -> DeviceProfile:
         nvlink_domain=int(_number(data, "nvlink_domain")) if "nvlink_domain" in data else 8,
         alltoall_efficiency=_number(data, "alltoall_efficiency") if "alltoall_efficiency" in data else 1.0,
         overlap_efficiency=_number(data, "overlap_efficiency") if "overlap_efficiency" in data else 1.0,
+        dispatch_compute_share=_share(data, "dispatch_compute_share"),
         cache_bandwidth=_number(data, "cache_bandwidth") if data.get("cache_bandwidth") is not None else None,
         cache_bytes=int(_number(data, "cache_bytes", zero=True)) if "cache_bytes" in data else 0,
         threads=threads,
@@ -350,6 +354,16 @@ def _get(data: dict, key: str, kind: type, prefix: str = "") -> Any:
     value = data[key]
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise ConfigError(f"{prefix}{key}={value!r} must be a {kind.__name__}")
+    return value
+
+
+def _share(data: dict, key: str) -> float:
+    """A share in [0, 1), 0 when absent."""
+    if key not in data:
+        return 0.0
+    value = _number(data, key, zero=True)
+    if value >= 1:
+        raise ConfigError(f"{key}={value!r} must be a share in [0, 1)")
     return value
 
 

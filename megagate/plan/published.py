@@ -184,7 +184,7 @@ def memory_estimate(w: Workload, memory_bytes: float) -> float:
             states = 18 * (dense + expert) / (w.dp * w.cp)
         else:
             states = 6 * (dense + expert) + 12 * (dense / (w.dp * w.cp) + expert / w.expert_dp)
-        flights = mem.in_flight(w.pp, s, w.vpp, w.microbatches)
+        flights = mem.in_flight(w.pp, s, w.vpp, w.microbatches, w.ep_overlap)
         acts = flights * max(chunks) * layer + layer
         if s == w.pp - 1:
             acts += sum(mem.output_items(w.model, shape, mem.GPU_TE).values()) + mem.logits_transient(w.model, shape)

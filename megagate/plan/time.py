@@ -88,7 +88,28 @@ def _layer_times(w: Workload, profile: DeviceProfile, topo: comm.Topology) -> tu
     attention_seconds = (attention.fwd, attention.bwd)
     gemms = [cost.gemm_seconds(profile.curve(g.precision), g) for g in work.gemms if not g.name.startswith("expert")]
     hidden = (sum(f for f, _ in gemms), sum(b for _, b in gemms))
-    return device, comm.layer_comm(w, topo, attention_seconds, device.total, hidden)
+    return device, comm.layer_comm(w, topo, attention_seconds, _ep_windows(w, work, device, profile, size), hidden)
+
+
+def _ep_windows(
+    w: Workload, work: LayerWork, device: cost.PassTime, profile: DeviceProfile, size: float
+) -> comm.EpWindows:
+    """The layer's device time either side of the MoE dispatch: the experts' part (their GEMMs, permute and
+    activation, recomputed where recompute covers them) and the rest."""
+    if not work.moe:
+        return comm.EpWindows()
+
+    def mlp_part(x: LayerWork) -> LayerWork:
+        keep = ("permute + unpermute", "SwiGLU")
+        return LayerWork(
+            gemms=[g for g in x.gemms if g.name.startswith("expert")],
+            grouped=list(x.grouped),
+            bytes={k: v for k, v in x.bytes.items() if k in keep},
+        )
+
+    mlp = cost.work_seconds(mlp_part(work), profile, w.attention, size)
+    mlp.recompute(cost.work_seconds(mlp_part(recompute_work(w, work)), profile, w.attention, size))
+    return comm.EpWindows(device.fwd - mlp.fwd, device.bwd - mlp.bwd, mlp.fwd, mlp.bwd)
 
 
 def _tensor_bytes(w: Workload) -> float:

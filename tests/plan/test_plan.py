@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from megagate import config_reader
 from megagate.plan import plan
@@ -100,11 +101,18 @@ def test_plan_refusals_are_one_line_exit_2(capsys, tmp_path) -> None:
     garbled.write_text("{not json")
     wrong = tmp_path / "wrong.json"
     wrong.write_text('{"schema": 0}')
+    from megagate.plan import profile
+    from megagate.plan.devices import gpu_spec
+    from megagate.plan.gpu_defaults import gpu_profile
+
+    share = tmp_path / "share.json"
+    share.write_text(json.dumps({**profile.to_dict(gpu_profile(gpu_spec("h100"))), "dispatch_compute_share": 1.5}))
     base = ["plan", CONFIG, "--nodes", "1"]
     cases = [
         ([*base, "--profile", str(garbled)], str(garbled)),
         ([*base, "--profile", str(tmp_path / "absent.json")], "absent.json"),
         ([*base, "--profile", str(wrong)], "schema 0"),
+        ([*base, "--profile", str(share)], "dispatch_compute_share=1.5 must be a share in [0, 1)"),
         ([*base, "--gpu", "h1000"], "h1000"),
         ([*base, "parallel.tensor_model_parallel_size=3"], "tensor_model_parallel_size (3)"),
         ([*base, "parallel.expert_model_parallel_size=16"], "expert_model_parallel_size (16) must divide"),

@@ -242,3 +242,25 @@ def test_activation_terms(case: str, formula: str) -> None:
         in_flight_layers * (planner_layer - megatron_layer) + sum(planner_only.values()) - embed_m - out_m,
         rel_tol=1e-9,
     )
+
+
+@pytest.mark.parametrize("ep_overlap", [False, True])
+def test_chunks_in_flight_are_megatrons_warmup_plus_one(ep_overlap: bool) -> None:
+    """The planner's chunk forwards in flight on each stage are megatron's own warm-up count (its schedules'
+    `get_pp_rank_microbatches`, group size PP) plus the one of the steady state; the EP A2A overlap warms up one
+    chunk more, so the overlap's layouts hold one chunk of activations more."""
+    from megatron.core.pipeline_parallel import schedules
+
+    checked = 0
+    for pp in (2, 4, 8):
+        for vpp in (2, 3, 6):
+            for rank in range(pp):
+                microbatches = 4 * pp
+                group = SimpleNamespace(size=lambda pp=pp: pp, rank=lambda rank=rank: rank)
+                p2p = SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=vpp)
+                _, _, warmup, _ = schedules.get_pp_rank_microbatches(
+                    microbatches, vpp, pp, overlap_moe_expert_parallel_comm=ep_overlap, p2p_communicator=p2p
+                )
+                assert mem.in_flight(pp, rank, vpp, microbatches, ep_overlap) == warmup + 1, (pp, vpp, rank)
+                checked += 1
+    assert checked == 3 * (2 + 4 + 8)

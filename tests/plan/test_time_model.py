@@ -147,10 +147,37 @@ def test_expert_overlap_needs_the_interleaved_schedule() -> None:
     topo = comm.Topology(8, Link(0.0, 1e9), Link(0.0, 1e9))
     base = Workload(moe, seq=128, micro_batch=1, global_batch=8, ep=4, dp=4, pp=1, ep_overlap=True)
     ep = comm.layer_comm(dataclasses.replace(base, ep_overlap=False), topo, (0, 0)).fwd["EP"]
-    assert comm.layer_comm(base, topo, (0, 0), layer_seconds=2 * ep).fwd["EP"] == pytest.approx(0.0)
+    wide = comm.EpWindows(ep, ep, ep, ep)  # every phase's compute longer than its traffic
+    assert comm.layer_comm(base, topo, (0, 0), wide).fwd["EP"] == pytest.approx(0.0)
     piped = dataclasses.replace(base, pp=2, dp=2)
-    assert comm.layer_comm(piped, topo, (0, 0), layer_seconds=2 * ep).fwd["EP"] == pytest.approx(ep)
-    assert comm.layer_comm(dataclasses.replace(piped, vpp=2), topo, (0, 0), 2 * ep).fwd["EP"] == pytest.approx(0)
+    assert comm.layer_comm(piped, topo, (0, 0), wide).fwd["EP"] == pytest.approx(ep)
+    assert comm.layer_comm(dataclasses.replace(piped, vpp=2), topo, (0, 0), wide).fwd["EP"] == pytest.approx(0)
+
+
+def test_expert_overlap_hides_each_phase_behind_its_own_compute() -> None:
+    """megatron's EP A2A overlap (model_chunk_schedule_plan.py) runs a layer's forward of one micro-batch beside
+    its backward of another in three phases: combine bwd under pre-dispatch fwd, both dispatches under the MLPs,
+    combine fwd under pre-dispatch bwd. By hand, all-to-all a = 1 ms, overlap efficiency 1:
+    pre fwd 0.4 ms, MLPs 3 ms, pre bwd 2 ms -> exposed (1 - 0.4) + max(0, 2 - 3) + max(0, 1 - 2) = 0.6 ms, where one
+    window over the layer's 5.4 ms would hide all 4 ms. With the dispatcher holding s = 0.15 of the device, a phase
+    within its window still costs s x its traffic: 0.6 + 0.15 x 2 + 0.15 x 1 = 1.05 ms."""
+    win = comm.EpWindows(pre_fwd=0.4e-3, pre_bwd=2e-3, mlp_fwd=1e-3, mlp_bwd=2e-3)
+    topo = comm.Topology(8, Link(0.0, 1e9), Link(0.0, 1e9))
+    assert comm.ep_overlap_exposed(topo, 1e-3, win) == pytest.approx(0.6e-3)
+    shared = dataclasses.replace(topo, dispatch_share=0.15)
+    assert comm.ep_overlap_exposed(shared, 1e-3, win) == pytest.approx(0.6e-3 + 0.15 * 2e-3 + 0.15 * 1e-3)
+    # a first phase only 0.05 ms past its window costs the shared device's 0.15 x 1 ms instead
+    assert comm.ep_overlap_exposed(shared, 1e-3, dataclasses.replace(win, pre_fwd=0.95e-3)) == pytest.approx(
+        3 * 0.15e-3 + 0.15 * 1e-3
+    )
+    # through layer_comm: the layer's four all-to-alls split evenly over forward and backward
+    moe = dataclasses.replace(MODEL, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64)
+    w = Workload(moe, seq=128, micro_batch=1, global_batch=8, ep=4, dp=4, pp=1, ep_overlap=True)
+    raw = comm.layer_comm(dataclasses.replace(w, ep_overlap=False), topo, (0, 0)).fwd["EP"]  # dispatch + combine
+    a = raw / 2
+    win = comm.EpWindows(pre_fwd=0.4 * a, pre_bwd=2 * a, mlp_fwd=a, mlp_bwd=2 * a)
+    lc = comm.layer_comm(w, topo, (0, 0), win)
+    assert lc.fwd["EP"] == lc.bwd["EP"] == pytest.approx(0.6 * a / 2)
 
 
 def test_in_step_scales_multiply_gemms_attention_and_the_rest() -> None:
