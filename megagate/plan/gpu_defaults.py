@@ -111,7 +111,7 @@ def gpu_profile(spec: GpuSpec, c: GpuConstants = FITTED) -> DeviceProfile:
         nvlink_domain=spec.nvlink_domain,
         alltoall_efficiency=c.alltoall,
         overlap_efficiency=c.overlap,
-        dispatch_compute_share=min(0.5, c.dispatch_sms / spec.sms),
+        dispatch_compute_share=c.dispatch_sms / spec.sms,
         source="datasheet + constants fitted on published Megatron runs",
     )
 
