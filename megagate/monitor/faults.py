@@ -18,7 +18,8 @@ Cluster faults for drills and tests (megagate.monitor.process_faults carries the
 
     {step: 7, kind: hang, rank: 1, phase: forward_backward}   rank 1 blocks when it enters that phase at step 7
     {step: 7, kind: hang, host: node1, phase: save}          every rank on node1 (a broken node: every launch)
-    {step: 1, kind: slow_rank, rank: 1, factor: 1.5}         rank 1 computes 1.5x as long from step 1 on
+    {step: 1, kind: slow_rank, rank: 1, factor: 1.5}         rank 1 computes 1.5x as long from step 1 on (from
+                                                             its second step: a first step has no time to scale)
     {step: 6, kind: fail_save, rank: 1}                      rank 1's write of the step-6 checkpoint fails (EIO)
     {step: 0, kind: fail_load, rank: 1}                      rank 1's first checkpoint read fails (EIO); step:
                                                              the checkpoint's step, 0 for any

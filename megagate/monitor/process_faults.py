@@ -6,7 +6,8 @@ run resumes: a load fault must be armed by then); `disarm()` at the end. They ac
 - phase entries (megagate.health.progress listeners): a `hang` blocks the main thread for good when this rank
   enters the fault's phase at its step (time.sleep: to the watchdog the rank is busy, not waiting in a collective);
   a `slow_rank` sleeps at the start of each forward-backward for (factor - 1) x its recent median compute time,
-  so this rank computes `factor` times as long and the others wait for it in the gradient reduction;
+  so this rank computes `factor` times as long and the others wait for it in the gradient reduction (a launch's
+  first step has no recent compute time and runs at full speed);
 - the checkpoint's file I/O (`checkpoint_io("write" | "read", step)`, called by megagate.train's checkpointer in
   the writer, a background process for an asynchronous save, and before a read): `fail_save` / `fail_load` raise
   OSError(EIO), what a failing disk or mount gives; a hang with phase `write` blocks the writer.

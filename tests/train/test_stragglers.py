@@ -26,7 +26,7 @@ def test_a_slow_rank_is_reported_within_the_window(tmp_path, session_demo_dir, c
         out,
         session_demo_dir,
         2,
-        "train.train_steps=24",
+        "train.train_steps=32",
         # a step that computes long enough (~0.2 s here: 4 micro-batches of 8) for a 1.5x slowdown to stand out of the
         # scheduling noise of a loaded machine
         "train.seq_length=128",
@@ -54,14 +54,16 @@ def test_a_slow_rank_is_reported_within_the_window(tmp_path, session_demo_dir, c
     slowest = {e.step: e.value for e in tb.Scalars("straggler/slowest_rank")}
     # reported after WINDOWS slow windows of INTERVAL steps; a window ends at the last step every rank's record holds
     # and spans at least 3/4 of the interval: records written a heartbeat (0.25 s, ~2 steps here) apart may delay the
-    # first windows by up to two looks (reported at steps 6-11 here, quiet or beside two busy processes), and a host
-    # busy with the other worker's ranks may hide one window (rank 0 descheduled on each of its steps: reported at
-    # step 19 in a CI run)
-    assert first["step"] <= INTERVAL * (WINDOWS + 3), (reports, ratios, slowest)
+    # first windows by up to two looks (reported at steps 6-11 here, quiet or beside two busy processes). The first
+    # window holds rank 1's first step, which the injected slowdown cannot scale yet (no recent compute time): when
+    # that step is its fastest, the window reads under the margin (1.23 on an idle VM). A host busy with the other
+    # worker's ranks may hide one more window (rank 0 descheduled on each of its steps: CI runs read 1.22 and 1.17 at
+    # the first two looks, and reported at step 19)
+    assert first["step"] <= INTERVAL * (WINDOWS + 4), (reports, ratios, slowest)
     # the looks (TensorBoard's steps; a report's step is its window's last) up to the first report's
     reported = [e.step for e in tb.Tensors("straggler/reports/text_summary")]
     slow = [slowest[s] == 1.0 and ratios[s] > 1.25 for s in sorted(ratios) if s <= reported[0]]
-    assert slow[-WINDOWS:] == [True] * WINDOWS and slow.count(False) <= 1, (reports, ratios, slowest)
+    assert slow[-WINDOWS:] == [True] * WINDOWS and slow.count(False) <= 2, (reports, ratios, slowest)
     # the injected 1.5x reads 1.3-1.7 on a quiet machine; a loaded one deschedules the slow rank on top (4.0 seen in
     # a 47-minute suite run on a slower 2-core machine), so the upper bound only catches a gross error
     assert 1.25 < first["ratio"] < 6 and first["windows"] == WINDOWS, first
