@@ -22,6 +22,7 @@ from megagate.plan.work import (
     LayerWork,
     Workload,
     embedding_work,
+    expert_block,
     layer_work,
     optimizer_bytes,
     output_work,
@@ -98,17 +99,8 @@ def _ep_windows(
     activation, recomputed where recompute covers them) and the rest."""
     if not work.moe:
         return comm.EpWindows()
-
-    def mlp_part(x: LayerWork) -> LayerWork:
-        keep = ("permute + unpermute", "SwiGLU")
-        return LayerWork(
-            gemms=[g for g in x.gemms if g.name.startswith("expert")],
-            grouped=list(x.grouped),
-            bytes={k: v for k, v in x.bytes.items() if k in keep},
-        )
-
-    mlp = cost.work_seconds(mlp_part(work), profile, w.attention, size)
-    mlp.recompute(cost.work_seconds(mlp_part(recompute_work(w, work)), profile, w.attention, size))
+    mlp = cost.work_seconds(expert_block(work), profile, w.attention, size)
+    mlp.recompute(cost.work_seconds(expert_block(recompute_work(w, work)), profile, w.attention, size))
     return comm.EpWindows(device.fwd - mlp.fwd, device.bwd - mlp.bwd, mlp.fwd, mlp.bwd)
 
 

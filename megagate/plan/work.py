@@ -215,6 +215,17 @@ def layer_work(w: Workload) -> LayerWork:
     return out
 
 
+def expert_block(layer: LayerWork) -> LayerWork:
+    """What of a MoE layer's work runs between the dispatch and the combine: permute, the experts, their activation
+    (megatron's `mlp` node; the router and the rest are its pre-dispatch computation)."""
+    kept = ("permute + unpermute", "SwiGLU")
+    return LayerWork(
+        gemms=[g for g in layer.gemms if g.name.startswith("expert")],
+        grouped=list(layer.grouped),
+        bytes={k: v for k, v in layer.bytes.items() if k in kept},
+    )
+
+
 def recompute_work(w: Workload, layer: LayerWork) -> LayerWork:
     """What recomputation adds to one layer's backward (a forward of what was dropped)."""
     if w.recompute == "full":
