@@ -15,6 +15,7 @@ from megagate.calibrate import collectives, framework, measure
 from megagate.calibrate.timing import Deadline
 from megagate.errors import MegagateError
 from megagate.plan import curves
+from megagate.plan.gpu_defaults import FITTED
 from megagate.plan.profile import Curve, DeviceProfile, Host, Link
 
 # shares of the budget left when each section starts (the framework's trainer steps matter most on a CPU)
@@ -202,7 +203,10 @@ def _framework(provisional: DeviceProfile, precision: str, deadline: Deadline) -
     values, notes = framework.solve(measured, modelled, fit_scale=provisional.kind == "cpu")
     scales = {k: values.pop(k) for k in framework.SCALES}
     provisional.samples["framework"] = {"measured": measured, "modelled": modelled, **scales}
-    host = Host(**values, serial=provisional.kind == "cpu", moe_sync=0.0 if provisional.kind == "cpu" else 0.65e-3)
+    # a GPU's MoE host sync is not measured here (one process, no dispatcher): the published runs' fitted value
+    host = Host(
+        **values, serial=provisional.kind == "cpu", moe_sync=0.0 if provisional.kind == "cpu" else FITTED.moe_sync
+    )
     return host, scales, notes
 
 

@@ -76,21 +76,39 @@ class Topology:
             link = Link(self.inter.latency, min(self.intra.bandwidth, per_domain * self.inter.bandwidth))
         return passes * link.seconds(tensor_bytes * (size - 1) / size)
 
-    def alltoall(self, size: int, stride: int, bytes_out: float, token_bytes: float = 0.0, topk: int = 0) -> float:
+    def alltoall(self, size: int, stride: int, bytes_out: float, experts: int = 0, topk: int = 0) -> float:
         """Seconds of an all-to-all in which a rank sends `bytes_out` to the other members, each share over its own
-        link. With `token_bytes` and `topk` (DeepEP / HybridEP dispatch) a token crosses to each remote domain its
-        top-k experts reach once, not once per expert: (D - 1)(1 - (1 - 1/D)^k) copies for D domains, uniformly."""
+        link. `bytes_out` counts a token once per routed expert (megatron's alltoall dispatcher permutes before it
+        sends). With `experts` and `topk` (DeepEP / HybridEP, the `flex` dispatcher) a token goes once to each rank
+        its top-k experts reach inside the domain and once to each remote domain they reach (forwarded there over
+        NVLink), so only `hit_share` of those copies move."""
         if size <= 1 or bytes_out <= 0:
             return 0.0
         share = self.intra_share(size, stride)
-        inter_bytes = (1 - share) * bytes_out
-        if topk and share < 1:
-            domains = max(2, size // self.members_per_domain(size, stride))
-            inter_bytes = min(inter_bytes, token_bytes * (domains - 1) * (1 - (1 - 1 / domains) ** topk))
-        intra = share * bytes_out / (self.intra.bandwidth * self.alltoall_efficiency)
+        intra_bytes, inter_bytes = share * bytes_out, (1 - share) * bytes_out
+        if topk:
+            members = self.members_per_domain(size, stride)
+            intra_bytes *= hit_share(experts, topk, size, 1)
+            inter_bytes *= hit_share(experts, topk, size, members)
+        intra = intra_bytes / (self.intra.bandwidth * self.alltoall_efficiency)
         inter = inter_bytes / self.inter.bandwidth
         latency = self.inter.latency if share < 1 else self.intra.latency
         return latency + max(intra, inter)
+
+
+def hit_share(experts: int, topk: int, size: int, members: int) -> float:
+    """Of a token's copies to its top-k experts (distinct, uniformly drawn from `experts` spread evenly over `size`
+    ranks), the share left when each group of `members` consecutive ranks receives one copy however many of its
+    experts the token reaches: the expected number of groups reached over the expected copies into them.
+
+    A group of g = members x experts / size experts is missed with probability C(E - g, k) / C(E, k); the other
+    groups hold (size - members) / size of the experts, so k x that share of the copies."""
+    groups = size // members
+    g = experts * members // size
+    if groups <= 1 or g < 1 or topk <= 1:
+        return 1.0
+    missed = math.prod((experts - g - i) / (experts - i) for i in range(topk)) if experts - g >= topk else 0.0
+    return (groups - 1) * (1 - missed) / (topk * (size - members) / size)
 
 
 @dataclass(frozen=True)
@@ -167,8 +185,8 @@ def layer_comm(
         if w.dispatcher == "allgather":  # every token to every TP x EP rank, combined by a reduce-scatter
             group = w.expert_tp * w.ep
             ep = topo.ring(group, 1, group * Tsp * h * a, passes=2)
-        else:  # alltoall / flex (DeepEP, HybridEP: one copy per remote domain): dispatch + combine
-            dedup = dict(token_bytes=Tsp * h * a, topk=m.moe_router_topk) if w.dispatcher == "flex" else {}
+        else:  # alltoall / flex (DeepEP, HybridEP: one copy per rank and per remote domain): dispatch + combine
+            dedup = dict(experts=m.num_experts, topk=m.moe_router_topk) if w.dispatcher == "flex" else {}
             ep = 2 * topo.alltoall(w.ep, w.expert_tp, Tsp * k * h * a * (w.ep - 1) / w.ep, **dedup)
         if w.ep_overlap and (w.pp == 1 or w.vpp):  # megatron's EP A2A overlap needs VPP when PP > 1
             # another micro-batch's compute runs under this one's dispatch and combine, phase by phase

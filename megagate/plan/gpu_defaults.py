@@ -43,14 +43,14 @@ class GpuConstants:
 # reach of HBM), nvlink 0.75 / network 0.85 (NCCL bus bandwidth of ring collectives on NVSwitch / 400 Gb/s
 # InfiniBand), gemm_latency 4 us, link_latency 15 us, host_microbatch 2 ms, host_step 40 ms.
 FITTED = GpuConstants(
-    gemm_bf16=0.729,
-    gemm_fp8=0.5735,
-    attention=0.4535,
+    gemm_bf16=0.7531,
+    gemm_fp8=0.5887,
+    attention=0.4006,
     memory=0.80,
     nvlink=0.75,
     network=1.0,
     alltoall=1.0,
-    overlap=0.842,
+    overlap=0.7996,
     dispatch_sms=20,
     grouped_half=0.5,
     expert_latency=8e-6,
@@ -58,7 +58,7 @@ FITTED = GpuConstants(
     link_latency=15e-6,
     host_layer=0.6e-3,
     host_moe=0.0,
-    moe_sync=0.65e-3,
+    moe_sync=0.672e-3,
     host_microbatch=0.0,
     host_step=40e-3,
 )

@@ -123,17 +123,29 @@ def test_data_parallel_overlap_hides_all_but_the_last_bucket() -> None:
 def test_expert_all_to_all_splits_by_topology() -> None:
     """EP 16 of consecutive ranks over nodes of 8: a rank has 7 of its 15 peers in its node, so 7/15 of what it
     sends goes over NVLink (100 GB/s) and 8/15 over the network (10 GB/s), at once: the network's share decides.
-    Inside one node (EP 8) it is NVLink only. A DeepEP-style dispatch of top-8 routing over 2 nodes sends each
-    token across once unless all its 8 experts are local: 1 - (1/2)^8 of the token bytes."""
+    Inside one node (EP 8) it is NVLink only.
+
+    A DeepEP / HybridEP dispatch (`experts`, `topk` given) sends a token once per rank and once per remote node its
+    experts reach, not once per expert. Top-8 of 16 experts over 2 nodes (8 experts each, one per rank): the other
+    node is missed only when all 8 picks are local, 1 / C(16, 8); the per-expert copies it would have had are
+    8 x 8/16 = 4, so the network carries (1 - 1/12870) / 4 of them. Top-2 of 16 experts on EP 8 in one node (2 per
+    rank): a peer is reached unless both picks miss its 2 experts, 1 - C(14, 2) / C(16, 2) = 29/120; 7 peers against
+    2 x 14/16 per-expert copies: 203/210 of the NVLink bytes."""
     topo = comm.Topology(8, Link(1e-5, 100e9), Link(2e-5, 10e9))
     sent = 150e6
     assert topo.intra_share(16, 1) == pytest.approx(7 / 15)
     assert topo.alltoall(16, 1, sent) == pytest.approx(2e-5 + max(7 / 15 * sent / 100e9, 8 / 15 * sent / 10e9))
     assert topo.alltoall(8, 1, sent) == pytest.approx(1e-5 + sent / 100e9)
-    token_bytes = sent / 8
-    assert topo.alltoall(16, 1, sent, token_bytes=token_bytes, topk=8) == pytest.approx(
-        2e-5 + max(7 / 15 * sent / 100e9, token_bytes * (1 - 0.5**8) / 10e9)
+    remote = (1 - 1 / 12870) / 4
+    assert comm.hit_share(16, 8, 16, 8) == pytest.approx(remote)
+    assert comm.hit_share(16, 8, 16, 1) == 1.0  # one expert per rank: nothing to share inside the node
+    assert topo.alltoall(16, 1, sent, experts=16, topk=8) == pytest.approx(
+        2e-5 + max(7 / 15 * sent / 100e9, 8 / 15 * sent * remote / 10e9)
     )
+    assert comm.hit_share(16, 2, 8, 1) == pytest.approx(203 / 210)
+    assert topo.alltoall(8, 1, sent, experts=16, topk=2) == pytest.approx(1e-5 + sent * 203 / 210 / 100e9)
+    # megatron's alltoall dispatcher (no experts given) permutes first: every copy moves
+    assert topo.alltoall(8, 1, sent) > topo.alltoall(8, 1, sent, experts=16, topk=2)
     # a ring that leaves the node runs at the node's network ports: 4 members x 10 GB/s, below NVLink's 100
     assert topo.ring(8, 2, 1e9) == pytest.approx(2e-5 + 1e9 * 7 / 8 / 40e9)
     assert topo.ring(4, 2, 1e9) == pytest.approx(1e-5 + 1e9 * 3 / 4 / 100e9)
