@@ -8,7 +8,8 @@ import json
 import pytest
 
 from helpers import forked
-from megagate.calibrate import framework
+from megagate.calibrate import collectives, framework
+from megagate.plan import curves
 from megagate.plan import profile as profile_mod
 
 
@@ -90,6 +91,12 @@ def test_calibrate_writes_a_profile_plan_reads(tmp_path) -> None:
     assert p.memory_bandwidth > 1e8 and p.host.serial and p.threads >= 1
     assert len(p.samples["gemm_fp32"]) >= 6 and set(p.samples["framework"]["measured"]) == set(framework.VARIANTS)
     assert "2" in p.local_ranks and p.intra.bandwidth > 0  # the two-rank gloo world was measured
+    # the link is fitted on the collectives timed after compute (as the trainer calls them), not the idle ones
+    world = p.samples["collectives"]
+    for kind in ("all_gather", "all_reduce"):
+        assert [b for b, _ in world[kind]] == [b for b, _ in world["idle_" + kind]] and len(world[kind]) == 4
+    busy, _ = curves.fit_link([tuple(x) for x in world["all_gather"] + world["all_reduce"]])
+    assert (p.intra.latency, p.intra.bandwidth) == pytest.approx((busy.latency, busy.bandwidth), rel=1e-9)
     plan = ["plan", "examples/tiny_cpu.yaml", "--nodes", "1", "--gpus-per-node", "1", "--profile", str(out), "--json"]
     planned = forked.run_cli(plan, timeout=300)
     assert planned.returncode == 0, planned.stderr
@@ -129,3 +136,22 @@ def test_grouped_gemm_timings_too_few_or_flat_give_no_curve_not_a_traceback() ->
     curve = core.grouped_curve(good)
     assert curve is not None and curve.rate == pytest.approx(1e9, rel=1e-6)
     assert curve.latency == pytest.approx(1e-5, rel=1e-6) and curve.half == 0.0
+
+
+def test_a_collective_is_timed_after_the_compute_before_it(monkeypatch) -> None:
+    """`before` (the compute every rank runs first) runs after the barrier and outside the timed span, once per
+    repetition: on a clock that only the two advance, 30 s of compute before a 1 s collective time 1 s."""
+    clock = [0.0]
+    calls: list[str] = []
+    monkeypatch.setattr(collectives.time, "perf_counter", lambda: clock[0])
+
+    def step(name: str, seconds: float):
+        def run() -> None:
+            calls.append(name)
+            clock[0] += seconds
+
+        return run
+
+    seconds = collectives._time(step("fn", 1.0), 3, lambda: calls.append("barrier"), step("before", 30.0))
+    assert calls == ["fn"] + ["barrier", "before", "fn"] * 3
+    assert seconds == 1.0
