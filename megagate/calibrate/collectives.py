@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -44,7 +45,7 @@ def _time(fn, reps: int, barrier, before=None) -> float:
     return statistics.median(times)
 
 
-def _burst(dev: torch.device, seconds: float, group_max) -> object:
+def _burst(dev: torch.device, seconds: float, group_max: Callable[[torch.Tensor], object]) -> Callable[[], None]:
     """A fixed amount of matmul work of about `seconds` on the slowest rank (the count agreed over the ranks): the
     compute a trainer's collective follows. On a CPU, gloo's threads sleep through it and the collective pays
     their wake-up; right after a barrier they are awake and it does not (0.6-0.8 ms against 2-3.5 ms measured)."""
