@@ -39,9 +39,10 @@ class GpuConstants:
     host_step: float  # the optimizer step's launches, the gradient norm, the step's bookkeeping
 
 
-# Fitted on the fit split by tools/fit_published.py (values rounded); assumed: memory 0.80 (what streaming kernels
-# reach of HBM), nvlink 0.75 / network 0.85 (NCCL bus bandwidth of ring collectives on NVSwitch / 400 Gb/s
-# InfiniBand), gemm_latency 4 us, link_latency 15 us, host_microbatch 2 ms, host_step 40 ms.
+# Fitted on the fit split by tools/fit_published.py (its FREE: the GEMM, attention, network, all-to-all and overlap
+# shares, moe_sync, grouped_half, host_microbatch; values rounded); assumed: memory 0.80 (what streaming kernels
+# reach of HBM), nvlink 0.75 (NCCL bus bandwidth of ring collectives on NVSwitch), dispatch_sms 20 (DeepEP's
+# default), expert_latency 8 us, gemm_latency 4 us, link_latency 15 us, host_layer 0.6 ms, host_step 40 ms.
 FITTED = GpuConstants(
     gemm_bf16=0.7531,
     gemm_fp8=0.5887,
