@@ -105,9 +105,10 @@ def hit_share(experts: int, topk: int, size: int, members: int) -> float:
     groups hold (size - members) / size of the experts, so k x that share of the copies."""
     groups = size // members
     g = experts * members // size
-    if groups <= 1 or g < 1 or topk <= 1:
+    if groups <= 1 or g < 1:
         return 1.0
-    missed = math.prod((experts - g - i) / (experts - i) for i in range(topk)) if experts - g >= topk else 0.0
+    # a factor reaches 0 (the group cannot be missed) once the picks outnumber the other groups' experts
+    missed = math.prod((experts - g - i) / (experts - i) for i in range(topk))
     return (groups - 1) * (1 - missed) / (topk * (size - members) / size)
 
 
