@@ -13,6 +13,7 @@ import math
 from megagate.distributed import layout as layout_rules
 from megagate.errors import ConfigError
 from megagate.machine import Machine
+from megagate.model.gate_params import check_gate_tensor_parallel
 from megagate.model.qkv_layout import check_tensor_parallel
 from megagate.perf import check_perf, resolve_perf
 from megagate.run_config import (
@@ -52,6 +53,9 @@ def check_rules(cfg: TrainConfig) -> None:
     layout_rules.check_parallel(p, m.num_experts)  # sizes >= 1; VPP, SP and EP rules (megatron's, in one place)
     check_tensor_parallel(
         m.num_attention_heads, m.num_query_groups, p.tensor_model_parallel_size, model="model.", parallel="parallel."
+    )
+    check_gate_tensor_parallel(
+        m.gate, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim, p.tensor_model_parallel_size
     )
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
     chunks = pp * (vpp or 1)

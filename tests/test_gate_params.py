@@ -103,13 +103,15 @@ def test_module_builds_exactly_the_table(megatron_world, variant):
 
 
 def test_one_tensor_parallel_check_everywhere(megatron_world):
-    heads = "num_attention_heads (4) must be divisible by tensor_model_parallel_size (3)"
-    groups = "num_query_groups (2) must be divisible by tensor_model_parallel_size (4)"
-    config = transformer_config(model_preset("tiny"))
-    layout = qkv_layout.qkv_layout(gates.GateConfig(), N, G, D)
-    for tp, message in ((3, heads), (4, groups)):
+    """megatron's rule, in one place: whole query heads per rank; KV groups a multiple or a divisor of TP."""
+    heads = "num_attention_heads (12) must be divisible by tensor_model_parallel_size (8)"
+    groups = "num_query_groups (3) must be a multiple or a divisor of tensor_model_parallel_size (2)"
+    n, g = 12, 3
+    config = transformer_config(model_preset("tiny", num_attention_heads=n, num_query_groups=g))
+    layout = qkv_layout.qkv_layout(gates.GateConfig(), n, g, D)
+    for tp, message in ((8, heads), (2, groups)):
         for check in (
-            lambda tp=tp: qkv_layout.check_tensor_parallel(N, G, tp),
+            lambda tp=tp: qkv_layout.check_tensor_parallel(n, g, tp),
             lambda tp=tp: layout.local(tp),
             lambda tp=tp: check_gate_compatible(config, gates.GateConfig(), tp),
         ):
@@ -122,6 +124,9 @@ def test_one_tensor_parallel_check_everywhere(megatron_world):
         str(err.value) == "model.num_attention_heads (16) must be divisible by parallel.tensor_model_parallel_size (3)"
     )
     qkv_layout.check_tensor_parallel(N, G, 2)
+    # fewer groups than TP ranks (TP a multiple of them): megatron replicates each group over TP / groups ranks
+    qkv_layout.check_tensor_parallel(N, G, 4)
+    assert layout.local(6) == qkv_layout.QkvLayout(4, 1, D, q_gate_width=D) and layout.replicas(6) == 2
 
 
 def test_init_takes_gate_values_from_the_table(megatron_world):

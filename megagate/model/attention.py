@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import (
+    all_gather_last_dim_from_tensor_parallel_region,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
@@ -40,7 +41,7 @@ from megatron.core.transformer import attention as _mcore_attention
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-from megatron.core.utils import get_pg_size
+from megatron.core.utils import get_pg_rank, get_pg_size
 from torch import Tensor
 
 from megagate.model.fused_norm import normed_input
@@ -72,6 +73,9 @@ class GatedSelfAttention(SelfAttention):
         tp_size = get_pg_size(kwargs["pg_collection"].tp) if kwargs.get("pg_collection") else _mpu_tp_size()
         full = qkv_layout(gate, heads, groups, head_dim)
         self.qkv_layout: QkvLayout = full.local(tp_size)
+        # With fewer KV groups than TP ranks (megatron's rule: TP a multiple of the groups), `replicas` ranks share
+        # one group: its projection is gathered and each rank keeps its slice of the group's query heads.
+        self._replicas = full.replicas(tp_size)
         # Megatron's output-gate hook carries the G1 logits (and the SDPA-output baselines) from the qkv split to
         # the core-attention output; a private copy of the config switches it on for this module only.
         self._uses_output_hook = gate.position == "g1" or gate.sdpa_norm != "none"
@@ -189,6 +193,8 @@ class GatedSelfAttention(SelfAttention):
         gate, layout = self.gate, self.qkv_layout
         mixed_qkv, _ = self.linear_qkv(hidden_states)  # [sq, b, ng_p * rows_per_group]
         sq, b = mixed_qkv.shape[:2]
+        if self._replicas > 1:
+            mixed_qkv = self._own_group(mixed_qkv)  # [sq, b, rows_per_group]
         grouped = mixed_qkv.view(sq, b, layout.num_groups, layout.rows_per_group)  # [sq, b, ng_p, rows_per_group]
         names, sizes = zip(*layout.group_segments())
         if _SplitAlongDim is not None:
@@ -197,12 +203,12 @@ class GatedSelfAttention(SelfAttention):
             pieces = torch.split(grouped, list(sizes), dim=3)
         parts = dict(zip(names, pieces))  # {name: [sq, b, ng_p, rows]}
 
-        query = parts["q"].reshape(sq, b, -1, layout.head_dim)  # [sq, b, np_p, hn]
+        query = self._own_heads(parts["q"].reshape(sq, b, -1, layout.head_dim))  # [sq, b, np_p, hn]
         key, value = parts["k"], parts["v"]  # [sq, b, ng_p, hn]
 
         logits = None
         if "q_gate" in parts:
-            logits = parts["q_gate"].reshape(sq, b, -1, layout.q_gate_width)  # [sq, b, np_p, w]
+            logits = self._own_heads(parts["q_gate"].reshape(sq, b, -1, layout.q_gate_width))  # [sq, b, np_p, w]
         elif "kv_gate" in parts:
             logits = parts["kv_gate"]  # [sq, b, ng_p, w]
         elif gate.enabled and gate.position != "g5":
@@ -224,13 +230,31 @@ class GatedSelfAttention(SelfAttention):
             return query, key, value, payload
         return query, key, value
 
+    def _own_group(self, mixed_qkv: Tensor) -> Tensor:
+        """[sq, b, rows / tp] -> [sq, b, rows_per_group]: this rank's KV group, gathered from the TP ranks that share
+        it (the gather's backward is a reduce-scatter, so the shared rows' gradients sum over those ranks)."""
+        full = all_gather_last_dim_from_tensor_parallel_region(mixed_qkv, group=self.tp_group)
+        group = get_pg_rank(self.tp_group) // self._replicas
+        rows = self.qkv_layout.rows_per_group
+        return full[..., group * rows : (group + 1) * rows]
+
+    def _own_heads(self, per_head: Tensor) -> Tensor:
+        """[sq, b, npg, w] -> [sq, b, np_p, w]: this rank's query heads of a shared group (all of them otherwise)."""
+        if self._replicas == 1:
+            return per_head
+        size = per_head.shape[2] // self._replicas
+        start = get_pg_rank(self.tp_group) % self._replicas * size
+        return per_head[:, :, start : start + size]
+
     def _apply_output_gate(self, x: Tensor, logits: Tensor) -> Tensor:
         """G1 gate or SDPA-output baseline on the core-attention output x: [sq, b, np_p * hn]."""
         if self._flat_output_gate and self.score_observer is None:
-            # elementwise G1 without activation parameters: megatron's own shapes (the logits viewed as x)
-            return self._gate(x, logits.view(x.shape))
+            # elementwise G1 without activation parameters: megatron's own shapes. The logits are a copy already
+            # where a group has several query heads (the per-head reshape of the split); with one head per group
+            # (MHA) they are a strided view of linear_qkv's output and reshape makes that one copy instead.
+            return self._gate(x, logits.reshape(x.shape))
         sq, b = x.shape[:2]
-        y = x.view(sq, b, self.num_attention_heads_per_partition, self.config.kv_channels)
+        y = x.view(sq, b, -1, self.config.kv_channels)  # [sq, b, np_p, hn]
         if self.gate.position == "g1":
             y = self._gate(y, logits)
         elif self.gate.sdpa_norm == "rmsnorm":

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from megagate.errors import ConfigError
 from megagate.model.gate import GateConfig
 from megagate.model.qkv_layout import qkv_layout
 
@@ -78,9 +79,16 @@ class GateParam:
         return math.prod(self.shape)
 
     def local_shape(self, tp_size: int) -> tuple[int, ...]:
-        """The shape one tensor-parallel rank holds (the head/group counts were checked by check_tensor_parallel)."""
+        """The shape one tensor-parallel rank holds; a one-line ConfigError where TP cannot split it (a parameter per
+        KV group with fewer groups than TP ranks: megatron replicates such groups, a parameter cannot follow)."""
         if self.tp_axis is None:
             return self.shape
+        if self.shape[self.tp_axis] % tp_size:
+            raise ConfigError(
+                f"gate parameter {self.name} {list(self.shape)} has {self.shape[self.tp_axis]} rows (one per KV group) "
+                f"that tensor_model_parallel_size ({tp_size}) cannot split; use num_query_groups a multiple of TP "
+                "or an input-dependent gate"
+            )
         shape = list(self.shape)
         shape[self.tp_axis] //= tp_size
         return tuple(shape)
@@ -147,3 +155,14 @@ def gate_parameters(
 def gate_parameter_count(gate: GateConfig, hidden_size: int, num_heads: int, num_groups: int, head_dim: int) -> int:
     """Parameters one attention layer adds for `gate`: the sum over its table."""
     return sum(p.numel for p in gate_parameters(gate, hidden_size, num_heads, num_groups, head_dim))
+
+
+def check_gate_tensor_parallel(
+    gate: GateConfig, hidden_size: int, num_heads: int, num_groups: int, head_dim: int, tp_size: int
+) -> None:
+    """A one-line ConfigError where TP cannot split this layer's fused rows or gate parameters (the head and group
+    counts themselves are qkv_layout.check_tensor_parallel's)."""
+    qkv_layout(gate, num_heads, num_groups, head_dim).local(tp_size)
+    for entry in gate_parameters(gate, hidden_size, num_heads, num_groups, head_dim):
+        if not entry.in_linear_qkv:
+            entry.local_shape(tp_size)

@@ -41,16 +41,22 @@ RowKey = tuple[str, int, int]  # (tensor, head or group index, channel)
 def check_tensor_parallel(
     num_heads: int, num_groups: int, tp_size: int, *, model: str = "", parallel: str = ""
 ) -> None:
-    """The one check that tensor parallelism can split the attention: megatron hands each TP rank whole query heads
-    and whole KV groups, and megagate keeps each group's q, k, v and gate rows on one rank.
+    """The one check that tensor parallelism can split the attention, megatron's rule: each TP rank gets whole query
+    heads, and either whole KV groups (groups a multiple of TP) or one KV group it shares with TP / groups ranks
+    (groups a divisor of TP: megatron gathers that group's projection and each rank keeps its slice of the heads).
 
     `model` / `parallel` prefix the names in the message (e.g. "model." and "parallel." for a config file's keys).
     """
-    for name, value in (("num_attention_heads", num_heads), ("num_query_groups", num_groups)):
-        if value % tp_size:
-            raise ConfigError(
-                f"{model}{name} ({value}) must be divisible by {parallel}tensor_model_parallel_size ({tp_size})"
-            )
+    if num_heads % tp_size:
+        raise ConfigError(
+            f"{model}num_attention_heads ({num_heads}) must be divisible by {parallel}tensor_model_parallel_size "
+            f"({tp_size})"
+        )
+    if num_groups % tp_size and tp_size % num_groups:
+        raise ConfigError(
+            f"{model}num_query_groups ({num_groups}) must be a multiple or a divisor of "
+            f"{parallel}tensor_model_parallel_size ({tp_size})"
+        )
 
 
 @dataclass(frozen=True)
@@ -114,12 +120,22 @@ class QkvLayout:
                     keys += [(name, g, c) for c in range(hn)]
         return keys
 
+    def replicas(self, tp_size: int) -> int:
+        """TP ranks that share one KV group: 1 when the groups split over TP, TP / groups when they are fewer."""
+        return max(1, tp_size // self.num_groups)
+
     def local(self, tp_size: int) -> QkvLayout:
-        """The layout of one tensor-parallel rank's shard."""
+        """The layout one tensor-parallel rank splits: its own groups, or, with fewer groups than TP ranks, the one
+        group it shares (gathered from the TP ranks first; the rank then keeps its slice of the group's heads)."""
         check_tensor_parallel(self.num_heads, self.num_groups, tp_size)
-        return QkvLayout(
-            self.num_heads // tp_size, self.num_groups // tp_size, self.head_dim, self.q_gate_width, self.kv_gate_width
-        )
+        if self.replicas(tp_size) > 1 and self.rows % tp_size:
+            raise ConfigError(
+                f"the fused qkv projection has {self.rows} rows ({self.num_groups} groups x {self.rows_per_group}), "
+                f"which tensor_model_parallel_size ({tp_size}) does not divide; with fewer KV groups than TP ranks "
+                "the rows must split evenly (use an elementwise gate, or num_query_groups a multiple of TP)"
+            )
+        groups = max(1, self.num_groups // tp_size)
+        return QkvLayout(groups * self.heads_per_group, groups, self.head_dim, self.q_gate_width, self.kv_gate_width)
 
 
 def qkv_layout(gate: GateConfig, num_heads: int, num_groups: int, head_dim: int) -> QkvLayout:

@@ -40,6 +40,7 @@ from megagate.errors import ConfigError
 from megagate.model.attention import GatedSelfAttention
 from megagate.model.core_attention import SDPACoreAttention
 from megagate.model.gate import GateConfig
+from megagate.model.gate_params import check_gate_tensor_parallel
 from megagate.model.kernels import check_backend, resolve_core_attention
 from megagate.model.norms import ZeroCenteredRMSNorm
 from megagate.model.qkv_layout import check_tensor_parallel
@@ -65,7 +66,11 @@ def check_gate_compatible(config: TransformerConfig, gate: GateConfig, tp_size: 
             f"gate.position={gate.position!r} is not supported with multi_latent_attention (MLA): megagate gates "
             "standard multi-head/GQA attention; set gate.position='none' or multi_latent_attention=false"
         )
-    check_tensor_parallel(config.num_attention_heads, config.num_query_groups or config.num_attention_heads, tp_size)
+    groups = config.num_query_groups or config.num_attention_heads
+    check_tensor_parallel(config.num_attention_heads, groups, tp_size)
+    check_gate_tensor_parallel(
+        gate, config.hidden_size, config.num_attention_heads, groups, config.kv_channels, tp_size
+    )
 
 
 class SublayerOutputNormBDA(MegatronModule):
