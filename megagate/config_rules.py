@@ -8,6 +8,7 @@ allowed. What depends on the machine a config is judged on (libraries, GPUs, fil
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 
 from megagate.distributed import layout as layout_rules
@@ -20,7 +21,9 @@ from megagate.run_config import (
     BACKENDS,
     FP8_RECIPES,
     LR_SCHEDULES,
+    MUON_TP_MODES,
     OPTIMIZER_FORMATS,
+    OPTIMIZERS,
     PRECISIONS,
     SEED_MAX,
     TrainConfig,
@@ -46,6 +49,7 @@ def check_rules(cfg: TrainConfig) -> None:
             f"train.seq_length ({t.seq_length}) exceeds model.max_sequence_length ({m.max_sequence_length})"
         )
     _check_optimizer(t)
+    _check_muon(cfg)
     _check_cadence(cfg)
     _check_split(cfg.data.split)
     if not 0 <= cfg.seed <= SEED_MAX:  # numpy's and megatron's RNG seeds are 32-bit unsigned
@@ -157,3 +161,48 @@ def _check_split(split: str) -> None:
     if weights[0] <= 0 or weights[1] <= 0:
         share = "training" if weights[0] <= 0 else "validation"
         raise ConfigError(f"data.split={split!r} gives no {share} share: the train and valid weights must be positive")
+
+
+MIN_EMERGING_OPTIMIZERS = (0, 2)  # what megatron-core 0.19.2 requires for its Muon
+
+
+def _emerging_optimizers_version() -> tuple[int, ...] | None:
+    try:
+        return tuple(int(x) for x in importlib.metadata.version("emerging-optimizers").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return None
+
+
+def _check_muon(cfg: TrainConfig) -> None:
+    """train.optimizer and the Muon settings megatron-core 0.19's TensorParallelMuon accepts, here."""
+    t, p, m = cfg.train, cfg.parallel, cfg.model
+    check_choice(t.optimizer, OPTIMIZERS, "train.optimizer")
+    check_choice(t.muon_tp_mode, MUON_TP_MODES, "train.muon_tp_mode")
+    if t.optimizer != "muon":
+        return
+    if not 0 <= t.muon_momentum < 1:
+        raise ConfigError(f"train.muon_momentum={t.muon_momentum} must be in [0, 1)")
+    if t.muon_ns_steps < 1:
+        raise ConfigError(f"train.muon_ns_steps={t.muon_ns_steps} must be >= 1 (Newton-Schulz iterations)")
+    version = _emerging_optimizers_version()
+    if version is None or version < MIN_EMERGING_OPTIMIZERS:
+        found = "not installed" if version is None else "version " + ".".join(map(str, version))
+        raise ConfigError(
+            f"train.optimizer='muon' needs emerging-optimizers >= 0.2 (megatron-core's Muon), which is {found}: "
+            "pip install -r requirements.txt, or train.optimizer='adamw'"
+        )
+    if t.use_distributed_optimizer:
+        raise ConfigError(
+            "train.optimizer='muon' with train.use_distributed_optimizer=true: megatron-core 0.19 shards Muon only "
+            "layer-wise (LayerWiseDistributedOptimizer), which megagate does not build; set "
+            "train.use_distributed_optimizer=false"
+        )
+    if t.precision == "fp8":
+        raise ConfigError("train.optimizer='muon' with train.precision='fp8' is not supported; use fp32 or bf16")
+    tp = p.tensor_model_parallel_size
+    if m.num_query_groups < tp:
+        raise ConfigError(
+            f"train.optimizer='muon' splits linear_qkv per KV group, but model.num_query_groups "
+            f"({m.num_query_groups}) < parallel.tensor_model_parallel_size ({tp}) leaves a rank part of a group; "
+            "use num_query_groups >= TP or train.optimizer='adamw'"
+        )

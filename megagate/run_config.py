@@ -43,6 +43,8 @@ from megagate.monitor.settings import MonitorConfig
 from megagate.sections import as_mapping, build_section, check_type
 
 PRECISIONS = ("fp32", "bf16", "fp8")
+OPTIMIZERS = ("adamw", "muon")
+MUON_TP_MODES = ("duplicated", "blockwise", "distributed")  # emerging-optimizers' newton_schulz_tp modes
 LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
 MEGATRON_LR_STYLE = {"cosine": "cosine", "wsd": "WSD", "linear": "linear", "constant": "constant"}  # lr_decay_style
 BACKENDS = ("auto", "local", "te")  # train.backend (auto: megagate.model.kernels.resolve_backend)
@@ -81,6 +83,13 @@ class TrainSection:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = True
+    # adamw, or muon (megatron-core's TensorParallelMuon on 2-D weights, AdamW with adam_* on the rest)
+    optimizer: str = "adamw"
+    muon_momentum: float = 0.95
+    # duplicated: each TP rank orthogonalises the whole gathered matrix (the update of TP 1 at any TP size);
+    # blockwise: each rank its own shard (megatron's default; no communication, a layout-dependent update)
+    muon_tp_mode: str = "duplicated"
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
     eval_interval: int = 0  # steps between validations (0: only at the end)
     eval_iters: int = 2  # global batches per validation
     wall_time_limit: float | None = None  # seconds; checkpoint and exit cleanly before it

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megagate.errors import MegagateError
 
@@ -48,7 +48,7 @@ def describe(setup: RunSetup) -> str:
         f"{layout.num_microbatches} micro-batches; {t.global_batch_size * t.seq_length:,} tokens/step; "
         f"{t.train_steps} steps = {t.train_steps * t.global_batch_size * t.seq_length:,} tokens",
         f"precision {t.precision}; lr {t.lr} ({t.lr_schedule}, warmup {t.warmup_steps}, min {t.min_lr}); "
-        f"clip {t.clip_grad}; weight decay {t.weight_decay}",
+        f"clip {t.clip_grad}; weight decay {t.weight_decay}; optimizer {_optimizer_line(t)}",
         f"output: {cfg.output.dir}; checkpoints: {cfg.checkpoint_dir}",
         *setup.describe(),
     ]
@@ -150,3 +150,12 @@ def run(args: argparse.Namespace) -> int:
             torch.distributed.destroy_process_group()
         runlock.release_all(locks)
     return 0
+
+
+def _optimizer_line(t: Any) -> str:
+    if t.optimizer == "muon":
+        return (
+            f"muon (momentum {t.muon_momentum}, {t.muon_ns_steps} Newton-Schulz steps, TP mode {t.muon_tp_mode}; "
+            "AdamW on non-matrix parameters)"
+        )
+    return f"adamw (betas {t.adam_beta1}, {t.adam_beta2}; eps {t.adam_eps})"

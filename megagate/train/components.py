@@ -98,7 +98,8 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
 
 
 def optimizer_config(setup: RunSetup) -> OptimizerConfig:  # noqa: F821
-    """megatron's OptimizerConfig (AdamW with clipping; the precision-aware optimizer's dtypes) of the set-up."""
+    """megatron's OptimizerConfig (AdamW or Muon, with clipping; the precision-aware optimizer's dtypes) of the
+    set-up."""
     from megatron.core.optimizer import OptimizerConfig
 
     t, perf, dtype = setup.cfg.train, setup.perf, setup.params_dtype
@@ -112,8 +113,13 @@ def optimizer_config(setup: RunSetup) -> OptimizerConfig:  # noqa: F821
             exp_avg_dtype=_DTYPES[perf.exp_avg_dtype],
             exp_avg_sq_dtype=_DTYPES[perf.exp_avg_sq_dtype],
         )
+    choice: dict[str, Any] = {"optimizer": "adam"}
+    if t.optimizer == "muon":
+        from megagate.train.muon import muon_config_kwargs
+
+        choice = muon_config_kwargs(t)
     return OptimizerConfig(
-        optimizer="adam",
+        **choice,
         lr=t.lr,
         min_lr=t.min_lr,
         weight_decay=t.weight_decay,
@@ -130,10 +136,15 @@ def optimizer_config(setup: RunSetup) -> OptimizerConfig:  # noqa: F821
 
 
 def build_optimizer(setup: RunSetup, ddp: list) -> tuple[Any, Any]:
-    """(megatron optimizer: AdamW with clipping, OptimizerParamScheduler counting samples)."""
+    """(megatron optimizer: AdamW, or Muon with AdamW on the non-matrix parameters, with clipping;
+    OptimizerParamScheduler counting samples)."""
     from megatron.core.optimizer import get_megatron_optimizer
 
     optimizer = get_megatron_optimizer(optimizer_config(setup), ddp)
+    if setup.cfg.train.optimizer == "muon":
+        from megagate.train.muon import tag_fused_qkv
+
+        tag_fused_qkv(ddp)  # megagate's fused rows, not megatron's guess from the model config
     return optimizer, lr_scheduler(setup.cfg, optimizer)
 
 
