@@ -9,19 +9,16 @@ second copy next to an orphan. SIGTERM/SIGINT to the driver are passed on the sa
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import functools
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from megagate.distributed.utils import die_with_parent
 from megagate.errors import MegagateError
-
-_PR_SET_PDEATHSIG = 1
 
 
 class Interrupted(MegagateError):
@@ -42,17 +39,6 @@ def default_workers(threads: int) -> tuple[int, list[str]]:
     if gpus:
         return len(gpus), gpus
     return max(1, (os.cpu_count() or 1) // max(1, threads)), []
-
-
-def _term_with_parent(parent: int) -> Callable[[], None]:
-    def init() -> None:
-        if sys.platform.startswith("linux"):
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-            if os.getppid() != parent:  # the driver died before the prctl: stop now
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    return init
 
 
 def run_pool(
@@ -102,7 +88,7 @@ def run_pool(
                         stdout=logf,
                         stderr=subprocess.STDOUT,
                         env=env,
-                        preexec_fn=_term_with_parent(os.getpid()),
+                        preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM),
                     )
                 running[name] = (proc, gpu)
                 if on_start is not None:
