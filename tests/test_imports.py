@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     # hf / hf_config / hf_weights import only megagate.model; hf_io reads and writes checkpoints
     ("megagate.interop",),
     ("megagate.slurm",),
+    ("megagate.grid",),  # a grid's trials, run locally or as a Slurm array: megagate sweep and megagate frontier
     # the frontier search runs trials locally or as Slurm arrays (megagate.slurm) and reads runs (megagate.monitor)
     ("megagate.frontier",),
     ("megagate.commands", "megagate.cli", "megagate.__main__"),
