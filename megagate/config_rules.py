@@ -16,7 +16,8 @@ from megagate.errors import ConfigError
 from megagate.machine import Machine
 from megagate.model.gate_params import check_gate_tensor_parallel
 from megagate.model.qkv_layout import check_tensor_parallel
-from megagate.perf import check_perf, resolve_perf
+from megagate.perf import resolve_perf
+from megagate.perf_rules import check_perf
 from megagate.run_config import (
     BACKENDS,
     FP8_RECIPES,

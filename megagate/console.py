@@ -15,18 +15,22 @@ of megagate's own is in the list, and nothing is filtered by category or module 
 `logging.Filter` per logger record; `native_stdout_filtered()` wraps the calls that create gloo process groups
 (torch's C++ writes its line straight to file descriptor 1). `megagate --verbose COMMAND` or `MEGAGATE_VERBOSE=1`
 turns all of it off: everything third-party is shown again.
+
+The text tables every report prints come from one renderer here: `table(rows)` lays out cells that `cell(value)`
+formats.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -329,3 +333,34 @@ def native_stdout_filtered() -> Iterator[None]:
             if kept:
                 sys.stdout.write(kept)
                 sys.stdout.flush()
+
+
+# --- tables -------------------------------------------------------------------------------------------------------
+def cell(value: Any, spec: str = ".4g", *, nan: str | None = None) -> str:
+    """One table cell: "-" for None, yes / no for a bool, a finite float by `spec` (a NaN as `nan` when given, else
+    like an infinity: "nan", "inf"), anything else as its str()."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return format(value, spec)
+        return nan if nan is not None and math.isnan(value) else str(value)
+    return str(value)
+
+
+def table(rows: Sequence[Sequence[str]], *, right_from: int | None = None, rule: str = "columns") -> str:
+    """Fixed-width text: `rows[0]` the header, then a rule (`columns`: dashes under each column; `line`: one line
+    as wide as the header), then the other rows; columns two spaces apart, those from index `right_from` on
+    right-aligned, trailing spaces dropped."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    right = len(widths) if right_from is None else right_from
+
+    def line(row: Sequence[str]) -> str:
+        cells = (c.ljust(w) if i < right else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        return "  ".join(cells).rstrip()
+
+    lines = [line(row) for row in rows]
+    lines.insert(1, "-" * len(lines[0]) if rule == "line" else "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -25,7 +25,6 @@ parse → rules → machine checks. `layout` is the run's layout for a world siz
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import typing
 from collections.abc import Mapping
@@ -40,7 +39,7 @@ from megagate.model import gate as gates
 from megagate.model.model_config import ModelConfig, ParallelConfig
 from megagate.model.presets import from_dict as model_from_dict
 from megagate.monitor.settings import MonitorConfig
-from megagate.sections import as_mapping, build_section, check_type
+from megagate.sections import build_section, check_type
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 OPTIMIZERS = ("adamw", "muon")
@@ -254,12 +253,6 @@ SECTIONS = (
 )
 
 
-def _perf(values: Any) -> PerfSection:
-    values = as_mapping(values, "perf")
-    profile = build_section(ProfileSection, values.pop("profile", None), "perf.profile")
-    return dataclasses.replace(build_section(PerfSection, values, "perf"), profile=profile)
-
-
 def parse(data: Mapping[str, Any]) -> TrainConfig:
     """The typed TrainConfig of a merged YAML mapping: unknown sections and keys, wrong types and each section's own
     rules refused in one line; the rules across sections are `megagate.config_rules`' (`config_reader.from_dict`
@@ -278,7 +271,7 @@ def parse(data: Mapping[str, Any]) -> TrainConfig:
         logging=build_section(LoggingSection, data.get("logging"), "logging"),
         output=build_section(OutputSection, data.get("output"), "output"),
         monitor=MonitorConfig.from_dict(data.get("monitor")),
-        perf=_perf(data.get("perf")),
+        perf=build_section(PerfSection, data.get("perf"), "perf"),
         watchdog=WatchdogConfig.from_dict(data.get("watchdog")),
         straggler=StragglerConfig.from_dict(data.get("straggler")),
         seed=check_type(data.get("seed", 1234), int, "seed"),

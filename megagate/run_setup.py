@@ -12,7 +12,7 @@ A config value reaches megatron in one pass:
 
 Everything downstream takes the RunSetup (the trainer's components and callbacks, `--dry-run`, the model factory
 for evaluation, analysis, export/import and the benchmarks): none of them resolves again. `resolve` also judges the
-perf rules of a real GPU (`perf.check_perf`), where the resolution is made. A set-up for loading a trained model
+perf rules of a real GPU (`perf_rules.check_perf`), where the resolution is made. A set-up for loading a trained model
 (`training=False`: analysis, evaluation, export) runs it in its storage dtype with megatron's default kernels (no FP8
 recipe, no fusions, the default core attention), as a forward-only tool needs.
 """
@@ -28,7 +28,8 @@ from megagate.distributed.layout import Layout
 from megagate.machine import Machine
 from megagate.model.kernels import experts_name, resolve_core_attention
 from megagate.model.model_config import ModelConfig
-from megagate.perf import ResolvedPerf, check_perf, fp8_format, resolve_perf
+from megagate.perf import ResolvedPerf, fp8_format, resolve_perf
+from megagate.perf_rules import check_perf
 from megagate.run_config import TrainConfig, layout
 
 _FROZEN: Mapping[str, Any] = MappingProxyType({})

@@ -1,7 +1,14 @@
-"""Typed config sections from YAML mappings: the one set of from-mapping helpers (unknown keys, types, mappings).
+"""Typed sections from mappings (YAML, JSON): the one reader of a frozen dataclass from a mapping.
 
-Used by `megagate.run_config` (every training-config section) and `megagate.monitor.settings` (the monitor's); it sits at
-the bottom layer so both can. Every refusal is a one-line `ConfigError` naming the key path and what is allowed.
+`build_section(cls, values, path)` = `cls(**read_fields(cls, values, path))`: unknown keys refused, each value
+checked against its field's type hint and converted (`check_type`; a list to a tuple, a mapping to a dict, JSON's
+text keys of a `dict[int, float]` to numbers, a nested dataclass read the same way). A section with rules across its
+fields (which metric a mapping may name, which bounds a number has) calls `read_fields` and applies them to the
+checked keywords before it builds itself; bounds of one field stay in the class's `__post_init__`.
+
+Used by `megagate.run_config` (every training-config section), `megagate.health.config`,
+`megagate.monitor.spike`'s section and `megagate.frontier.state`; it sits at the bottom layer so every layer can.
+Every refusal is a one-line `ConfigError` naming the key path and what is allowed.
 """
 
 from __future__ import annotations
@@ -92,8 +99,85 @@ def check_type(value: Any, annotation: Any, path: str) -> Any:
 
 
 def build_section(cls: type, values: Any, name: str) -> Any:
-    """A frozen dataclass section from a mapping, refusing unknown keys and wrong types."""
-    values = as_mapping(values, name)
+    """A frozen dataclass section from a mapping, refusing unknown keys and wrong types (`read_fields`)."""
+    return cls(**read_fields(cls, values, name))
+
+
+def read_fields(cls: type, values: Any, path: str, *, item: str | None = None, scalars: bool = True) -> dict:
+    """The keyword arguments of the dataclass `cls` from the mapping `values` (None: empty), checked and converted.
+
+    Subsections (fields whose type is a dataclass) are read first, each by its class's own `from_dict` when it has
+    one, else by this reader; then unknown keys are refused; then every other value is converted:
+    - `tuple[X, ...]`: a list or tuple (a single string when X is str);
+    - `Mapping[K, V]`: any mapping, as a dict; `dict[K, V]` of numbers and text: keys and values converted (JSON
+      keys are text);
+    - anything else through `check_type` (bools always; ints, floats and text unless `scalars` is False: a section
+      whose `__post_init__` names each number's bounds keeps its own words for them).
+    `item` names what the keys of a mapping (and the entries of a tuple) are, for the refusals ("metric").
+    """
+    values = as_mapping(values, path)
     hints = typing.get_type_hints(cls)
-    refuse_unknown(values, [f.name for f in dataclasses.fields(cls)], name)
-    return cls(**{k: check_type(v, hints[k], f"{name}.{k}") for k, v in values.items()})
+    names = [f.name for f in dataclasses.fields(cls)]
+    out: dict = {}
+    for name in names:
+        sub = _dataclass_of(hints[name])
+        if sub is not None and name in values:
+            value = values.pop(name)
+            if value is None and sub is not hints[name]:  # Optional[Section] given as null
+                out[name] = None
+            else:
+                out[name] = (
+                    sub.from_dict(value)
+                    if hasattr(sub, "from_dict")
+                    else sub(**read_fields(sub, value, f"{path}.{name}", item=item, scalars=scalars))
+                )
+    refuse_unknown(values, names, path)
+    for name, value in values.items():
+        out[name] = _convert(value, hints[name], f"{path}.{name}", item, scalars)
+    return out
+
+
+def _dataclass_of(hint: Any) -> type | None:
+    """The dataclass a field holds (`Section` or `Section | None`), None for any other type."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        found = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = found[0] if len(found) == 1 else None
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
+_PLURAL = {int: "integers", float: "numbers", str: "strings"}  # what a dict[K, V]'s keys and values are converted to
+
+
+def _convert(value: Any, hint: Any, path: str, item: str | None, scalars: bool) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if isinstance(value, str) and args[0] is str:
+            return (value,)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}={value!r} must be " + (f"a {item} name or a list of them" if item else "a list"))
+        return tuple(value)
+    if origin is Mapping:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}={value!r} must be a mapping" + (f" of {item} -> value" if item else ""))
+        return dict(value)
+    if origin is dict and len(args) == 2 and all(a in _PLURAL for a in args):
+        key_type, value_type = args
+        value = check_type(value, dict, path)
+        try:
+            return {key_type(k): value_type(v) for k, v in value.items()}
+        except (TypeError, ValueError):
+            bad = next(k for k, v in value.items() if not _converts(k, key_type) or not _converts(v, value_type))
+            raise ConfigError(
+                f"{path}.{bad}={value[bad]!r}: keys must be {_PLURAL[key_type]}, values {_PLURAL[value_type]}"
+            ) from None
+    if hint is bool or scalars:
+        return check_type(value, hint, path)
+    return value
+
+
+def _converts(value: Any, kind: type) -> bool:
+    try:
+        kind(value)
+    except (TypeError, ValueError):
+        return False
+    return True

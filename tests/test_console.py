@@ -6,6 +6,7 @@ MEGAGATE_VERBOSE=1 (a fresh training run and a resume: tests/train/test_trainer.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -173,3 +174,27 @@ def test_a_real_process(verbose):
         assert "No CUDA runtime is found" in proc.stderr
     else:
         assert proc.stderr == "" and gloo == [] and proc.stdout == "world up\n", (proc.stdout, proc.stderr)
+
+
+def test_table_cells_and_layouts() -> None:
+    from megagate.console import cell, table
+
+    assert [cell(None), cell(True), cell(False), cell(0.000123456), cell(3e-3, ".3f"), cell(7)] == [
+        "-",
+        "yes",
+        "no",
+        "0.0001235",
+        "0.003",
+        "7",
+    ]
+    assert [cell(math.nan), cell(math.inf), cell(math.nan, nan="-"), cell(-math.inf, nan="-")] == [
+        "nan",
+        "inf",
+        "-",
+        "-inf",
+    ]
+    rows = [["name", "lr"], ["baseline", "0.001"], ["g1", "0.01"]]
+    assert table(rows) == "name      lr\n--------  -----\nbaseline  0.001\ng1        0.01"
+    assert (
+        table(rows, right_from=1, rule="line") == "name         lr\n---------------\nbaseline  0.001\ng1         0.01"
+    )

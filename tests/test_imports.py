@@ -22,7 +22,14 @@ LAYERS: list[tuple[str, ...]] = [
     ("megagate.monitor",),  # live monitoring: the spike detector, faults, diagnostics, events, run files
     ("megagate.analysis",),  # offline analysis of models and run directories
     # the run config and what it resolves to: the typed tree, the machine, the perf settings, the rules, the reader
-    ("megagate.run_config", "megagate.machine", "megagate.perf", "megagate.config_rules", "megagate.config_reader"),
+    (
+        "megagate.run_config",
+        "megagate.machine",
+        "megagate.perf",
+        "megagate.perf_rules",
+        "megagate.config_rules",
+        "megagate.config_reader",
+    ),
     ("megagate.run_setup",),  # the config resolved once for a machine: RunSetup
     ("megagate.plan",),
     ("megagate.checkpoint",),  # the checkpoint format: naming, manifest, safe loading, the Checkpointer
@@ -33,6 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     # hf / hf_config / hf_weights import only megagate.model; hf_io reads and writes checkpoints
     ("megagate.interop",),
     ("megagate.slurm",),
+    ("megagate.grid",),  # a grid's trials, run locally or as a Slurm array: megagate sweep and megagate frontier
     # the frontier search runs trials locally or as Slurm arrays (megagate.slurm) and reads runs (megagate.monitor)
     ("megagate.frontier",),
     ("megagate.commands", "megagate.cli", "megagate.__main__"),

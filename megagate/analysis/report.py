@@ -21,6 +21,8 @@ from typing import Any
 from megagate.analysis import aggregate, report_plots
 from megagate.analysis.health_report import health_section
 from megagate.analysis.replay import replay_events
+from megagate.console import cell
+from megagate.console import table as render_table
 from megagate.errors import MegagateError
 from megagate.files import write_atomic
 from megagate.monitor import runfiles
@@ -241,16 +243,6 @@ COLUMNS = (
 )
 
 
-def _fmt(x: Any, spec: str = ".4g") -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, float):
-        return format(x, spec) if math.isfinite(x) else str(x)
-    return str(x)
-
-
 def table(results: Sequence[RunResult]) -> str:
     """A fixed-width text table, one row per run."""
     rows = [list(COLUMNS)]
@@ -259,30 +251,23 @@ def table(results: Sequence[RunResult]) -> str:
             [
                 r.name,
                 r.variant,
-                _fmt(r.lr),
-                _fmt(r.seed),
-                _fmt(r.steps),
-                _fmt(r.final_loss),
-                _fmt(r.valid_ppl),
-                _fmt(r.num_spikes),
-                _fmt(r.diverged),
-                _fmt(r.f_attn, ".3f"),
-                _fmt(r.m_act, ".3g"),
-                _fmt(r.gate_score, ".3f"),
+                cell(r.lr),
+                cell(r.seed),
+                cell(r.steps),
+                cell(r.final_loss),
+                cell(r.valid_ppl),
+                cell(r.num_spikes),
+                cell(r.diverged),
+                cell(r.f_attn, ".3f"),
+                cell(r.m_act, ".3g"),
+                cell(r.gate_score, ".3f"),
                 str(len(r.curve_spikes)),
                 f"{r.spike_match.tp}/{r.spike_match.fp}/{r.spike_match.misses}",
                 r.sweep or "-",
                 r.setting,
             ]
         )
-    return _layout(rows)
-
-
-def _layout(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return render_table(rows)
 
 
 GROUP_COLUMNS = (
@@ -319,22 +304,22 @@ def group_table(groups: Sequence[aggregate.Group]) -> str:
             [
                 g.sweep,
                 g.variant,
-                _fmt(g.lr),
+                cell(g.lr),
                 str(g.n),
-                ",".join(_fmt(s) for s in g.seeds),
+                ",".join(cell(s) for s in g.seeds),
                 _pm(g.final_loss_mean, g.final_loss_std),
                 _pm(g.valid_loss_mean, g.valid_loss_std),
                 f"{g.diverged}/{g.n}",
                 f"{g.runs_with_events}/{g.n}",
                 str(g.curve_spikes),
                 f"{g.tp}/{g.fp}/{g.misses}",
-                _fmt(g.f_attn, ".3f"),
-                _fmt(g.m_act, ".3g"),
-                _fmt(g.gate_score, ".3f"),
+                cell(g.f_attn, ".3f"),
+                cell(g.m_act, ".3g"),
+                cell(g.gate_score, ".3f"),
                 g.setting,
             ]
         )
-    return _layout(rows)
+    return render_table(rows)
 
 
 def report(
@@ -361,7 +346,7 @@ def report(
         key=lambda r: (r.sweep, r.setting, r.variant, r.lr if r.lr is not None else math.inf, r.seed or 0, r.name)
     )
     if diag_lr is not None and not any(r.lr == diag_lr for r in results):
-        lrs = ", ".join(_fmt(lr) for lr in sorted({r.lr for r in results if r.lr is not None}))
+        lrs = ", ".join(cell(lr) for lr in sorted({r.lr for r in results if r.lr is not None}))
         raise MegagateError(f"--diag-lr {diag_lr:g} is not an LR of the runs; their LRs: {lrs}")
     groups = aggregate.group_runs(results)
     text = table(results) + "\n\nover seeds, per (sweep, setting, variant, lr):\n" + group_table(groups)

@@ -52,7 +52,7 @@ from megagate.checkpoint.space import check_free_space
 from megagate.checkpoint.state import materialize_optimizer_state, saved_optimizer_format, sharded_state
 from megagate.console import log, warn
 from megagate.distributed import megatron_cpu
-from megagate.distributed.utils import barrier, broadcast_object, gather_objects, get_rank, get_world_size
+from megagate.distributed.utils import barrier, broadcast_object, gather_objects, get_rank, get_world_size, host_name
 from megagate.errors import MegagateError
 from megagate.files import publish_dir
 from megagate.health import progress
@@ -209,7 +209,7 @@ class Checkpointer:
             if rank == 0:  # megatron's metadata (written at its finalisation) and megagate's
                 share.update(records(tmp, [n for n in _RANK0_FILES if (tmp / n).is_file()]))
         except (OSError, ValueError) as exc:
-            error = f"rank {rank} ({failures.host()}): cannot checksum its files: {exc}"
+            error = f"rank {rank} ({host_name()}): cannot checksum its files: {exc}"
         self._fail_if_any(error, tmp)
         shares = gather_objects(share)
         if rank == 0:
@@ -355,7 +355,7 @@ class Checkpointer:
                         # without a collective (the others may be inside megatron's load, waiting for this rank:
                         # they leave when they see its failure, megagate.health), and move nothing aside
                         rank, cause = failed
-                        who = f"rank {rank} ({failures.host()})" if rank == get_rank() else f"rank {rank}"
+                        who = f"rank {rank} ({host_name()})" if rank == get_rank() else f"rank {rank}"
                         raise MegagateError(
                             f"{who} cannot read checkpoint {path}: {failures.os_message(cause)}"
                             + (f": {cause.filename!r}" if cause.filename else "")

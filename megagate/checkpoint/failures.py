@@ -5,13 +5,11 @@ failed, with the failures gathered by rank)."""
 from __future__ import annotations
 
 import errno
-import os
 import re
-import socket
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megagate.distributed.utils import get_rank
+from megagate.distributed.utils import get_rank, host_name
 
 # what a failed save or load raises: torch DCP's CheckpointException derives from BaseException, not Exception
 FAILURES = (Exception, CheckpointException)
@@ -59,10 +57,6 @@ def os_error_from_text(text: str) -> OSError | None:
     return None if found is None else OSError(int(found[1]), found[2].strip())
 
 
-def host() -> str:
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
 def write_error(exc: BaseException) -> str:
     """One line for a failed write: the OS error behind it, naming the rank (and its host when it is this one), or,
     when the failure was another rank's and says no more (megatron raises on every rank), a generic line that the
@@ -71,7 +65,7 @@ def write_error(exc: BaseException) -> str:
     if failed is not None:
         rank, cause = failed
         return (
-            f"rank {rank} ({host()}): {os_message(cause)}"
+            f"rank {rank} ({host_name()}): {os_message(cause)}"
             if rank == get_rank()
             else f"rank {rank}: {os_message(cause)}"
         )

@@ -19,24 +19,19 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
 import queue
-import socket
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from megagate.checkpoint.failures import os_error_from_text
 from megagate.checkpoint.manifest import records
+from megagate.distributed.utils import host_name
 from megagate.monitor import process_faults
 
 CRC_FILE = ".crc-rank{:05d}.json"
 ERROR_FILE = ".error-rank{:05d}.txt"
 MEGATRON_WRITER_LOG = "megatron.core.dist_checkpointing.strategies.filesystem_async"
-
-
-def _host() -> str:
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def _one_line(exc: BaseException) -> str:
@@ -65,7 +60,7 @@ def _write(fn: Any, tmp: str, step: int, rank: int, write_buckets: list, results
         (folder / CRC_FILE.format(rank)).write_text(json.dumps(records(folder, names)))
     except Exception as exc:  # noqa: BLE001 - reported through the error file and megatron's results
         try:
-            (folder / ERROR_FILE.format(rank)).write_text(f"rank {rank} ({_host()}): {_one_line(exc)}")
+            (folder / ERROR_FILE.format(rank)).write_text(f"rank {rank} ({host_name()}): {_one_line(exc)}")
         except OSError:
             pass
         result = exc

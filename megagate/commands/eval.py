@@ -69,13 +69,14 @@ def run(args: argparse.Namespace) -> int:
         raise MegagateError(f"--names {args.names!r}: {len(names)} names for {len(args.checkpoints)} checkpoints")
     specs = options.parse_data(args.data, lengths, "0,1,0")
 
+    from megagate.distributed.utils import launcher_world_size
     from megagate.evaluate import core
     from megagate.model.model_config import ParallelConfig
 
     prepared = [
         core.prepare(c, rope, lengths, None if names is None else names[i]) for i, c in enumerate(args.checkpoints)
     ]
-    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    world = launcher_world_size()
     parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     dp = core.check_layout(prepared, parallel, world)
     opts = core.Options(
@@ -89,18 +90,13 @@ def run(args: argparse.Namespace) -> int:
         parallel=parallel,
     )
 
-    import torch
+    from megagate.distributed import megatron_cpu
+    from megagate.distributed.parallel import initialize_model_parallel, process_group
+    from megagate.distributed.utils import barrier, launcher_rank
 
-    from megagate.commands.train import _free_port
-    from megagate.distributed import launch, megatron_cpu
-    from megagate.distributed.parallel import initialize_model_parallel
-
-    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+    if launcher_rank() == 0:
         core.prebuild(prepared, specs, opts)  # complete index caches before any other rank reads them
-    if not any(v in os.environ for v in ("RANK", "SLURM_PROCID", "MASTER_PORT")):
-        os.environ["MASTER_PORT"] = str(_free_port())  # a single process: any free port
-    env = launch.init_process_group()
-    try:
+    with process_group() as env:
         megatron_cpu.install()
         initialize_model_parallel(parallel, seed=args.seed)
         rank0 = env.rank == 0
@@ -111,11 +107,5 @@ def run(args: argparse.Namespace) -> int:
             paths = output.write(results, args.out)
             print(output.table(results))
             print(f"results: {paths['json']}, plot: {paths['png']}")
-        torch.distributed.barrier()
-    finally:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        barrier()
     return 0

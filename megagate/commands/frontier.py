@@ -221,7 +221,7 @@ def _start(args: argparse.Namespace) -> Path:
 
 
 def _run_local(out: Path, state: state_mod.FrontierState) -> None:
-    from megagate.frontier.local import default_workers, run_pool
+    from megagate.grid.local import default_workers, run_pool
 
     backend = state.backend
     threads = backend.get("threads") or 1

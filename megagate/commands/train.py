@@ -70,14 +70,6 @@ def describe(setup: RunSetup) -> str:
     return "\n".join(lines)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(args: argparse.Namespace) -> int:
     if not args.dry_run:
         from megagate.train.signals import install_early
@@ -91,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         world = args.world_size
         if world is None:
-            world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+            from megagate.distributed.utils import launcher_world_size
+
+            world = launcher_world_size()
         elif world < 1:
             raise MegagateError(f"--world-size {world}: must be a positive number of processes")
         if args.gpus_per_node < 1:
@@ -103,52 +97,43 @@ def run(args: argparse.Namespace) -> int:
         predicted = plan(cfg, world, args.gpu, gpus_per_node=min(args.gpus_per_node, world))
         print(f"{text}\nmemory plan:\n{predicted.table()}")
         return 0
-    import torch
-
-    from megagate.distributed import children, launch
+    from megagate.distributed import children, parallel
     from megagate.health import watchdog
     from megagate.health.progress import PROGRESS
     from megagate.train import runlock
     from megagate.train.trainer import train
 
-    if not any(v in os.environ for v in ("RANK", "SLURM_PROCID", "MASTER_PORT")):
-        os.environ["MASTER_PORT"] = str(_free_port())  # a single process: any free port, not a fixed one
-    env = launch.init_process_group()
-    locks: list = []
-    dog = None
-    try:
-        # every setting decided once for this machine; a bad layout or a perf setting this GPU cannot run is refused
-        # before anything is built
-        setup = resolve(cfg, env.world_size)
-        # one run per output directory: every rank refuses together, before anything is written
-        locks = runlock.lock_for_run(cfg.output.dir, cfg.checkpoint_dir)
-        # megatron's checkpoint-writer Manager ignores the stop signals and dies with this process
-        children.install_checkpoint_writer_queue()
-        children.install_fork_hook()  # background checkpoint writers (forked) likewise
-        # progress records, hang detection, the other ranks' failures (megagate.health)
-        dog = watchdog.start(cfg.watchdog, cfg.output.dir)
+    with parallel.process_group() as env:
+        locks: list = []
+        dog = None
         try:
-            train(setup)
-        except BaseException as exc:
-            if dog is None or isinstance(exc, KeyboardInterrupt):
+            # every setting decided once for this machine; a bad layout or a perf setting this GPU cannot run is
+            # refused before anything is built
+            setup = resolve(cfg, env.world_size)
+            # one run per output directory: every rank refuses together, before anything is written
+            locks = runlock.lock_for_run(cfg.output.dir, cfg.checkpoint_dir)
+            # megatron's checkpoint-writer Manager ignores the stop signals and dies with this process
+            children.install_checkpoint_writer_queue()
+            children.install_fork_hook()  # background checkpoint writers (forked) likewise
+            # progress records, hang detection, the other ranks' failures (megagate.health)
+            dog = watchdog.start(cfg.watchdog, cfg.output.dir)
+            try:
+                train(setup)
+            except BaseException as exc:
+                if dog is None or isinstance(exc, KeyboardInterrupt):
+                    raise
+                code = dog.collateral_exit()  # a hang declared, or another rank failed first and said why
+                if code is not None:
+                    return code
+                dog.publish_failure(exc)  # the other ranks exit now instead of waiting for this one in a collective
                 raise
-            code = dog.collateral_exit()  # a hang declared, or another rank failed first and said why
-            if code is not None:
-                return code
-            dog.publish_failure(exc)  # the other ranks exit now instead of waiting for this one in a collective
-            raise
-        if dog is not None and PROGRESS.snapshot().steps_done == 0:
-            dog.stop_idle()  # nothing trained (a finished run rerun): no watchdog folder left behind
-    finally:
-        from megatron.core import parallel_state
-
-        if dog is not None:
-            dog.stop()
-        children.shutdown()
-        parallel_state.destroy_model_parallel()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        runlock.release_all(locks)
+            if dog is not None and PROGRESS.snapshot().steps_done == 0:
+                dog.stop_idle()  # nothing trained (a finished run rerun): no watchdog folder left behind
+        finally:
+            if dog is not None:
+                dog.stop()
+            children.shutdown()
+            runlock.release_all(locks)  # local files only: before the process group's teardown is fine
     return 0
 
 

@@ -19,40 +19,23 @@ the trainer and the Manager are gone).
 megatron-core 0.19's synchronous save writes with threads (`write_preloaded_data_multithread`); the Manager is the
 only process of a save, so the save itself needs no signal blocking: the trainer's handlers only set a flag.
 
-Nothing here imports torch or megatron at module level: a spawned child imports this module to run its
-initializer.
+Nothing here (nor in megagate.distributed.utils, whose `die_with_parent` this uses) imports torch or megatron at
+module level: a spawned child imports this module to run its initializer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import signal
-import sys
 from collections.abc import Iterator
 from typing import Any
 
+from megagate.distributed.utils import die_with_parent
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _manager: Any = None  # the SyncManager behind megatron's results queue (kept alive for the run)
 _fork_hook = False
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies; exit now if the parent is already gone.
-
-    Linux only (elsewhere a no-op). The parent check closes the race of a parent that died before the prctl call
-    (this process would then already be reparented, and the death signal would never come).
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-        return  # not fatal: the child still works, it just may outlive a killed parent
-    if os.getppid() != parent_pid:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def child_init(parent_pid: int) -> None:

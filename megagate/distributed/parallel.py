@@ -1,4 +1,5 @@
-"""Process groups: torch.distributed + megatron's parallel state, on CPU (gloo) or GPU (nccl)."""
+"""Process groups: torch.distributed + megatron's parallel state, on CPU (gloo) or GPU (nccl): a command's
+launched world (`process_group`), a file-rendezvous world (`init_distributed`), the one-process world of tools."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from megagate import console
 from megagate.distributed import launch, megatron_cpu
+from megagate.distributed.utils import single_process_port
 from megagate.model.model_config import ParallelConfig
 
 
@@ -52,6 +54,18 @@ def destroy() -> None:
     parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group() -> Iterator[launch.DistEnv]:
+    """The launcher's world for one command (`train`, `eval`): started (outside a launcher, one process on a free
+    rendezvous port), yielded, then megatron's parallel state and the process group torn down however it ends."""
+    single_process_port()
+    env = launch.init_process_group()
+    try:
+        yield env
+    finally:
+        destroy()
 
 
 @contextlib.contextmanager

@@ -3,13 +3,15 @@ panel per dataset), each written to a temporary name and renamed."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
+from megagate.console import cell
+from megagate.console import table as table_text
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+def _cell(value: float | None, spec: str) -> str:
+    return cell(value, spec, nan="-")  # this table has always shown a NaN as missing
 
 
 def table(results: dict[str, Any]) -> str:
@@ -26,21 +28,15 @@ def table(results: dict[str, Any]) -> str:
                     r["data"],
                     str(r["seq_length"]),
                     str(r["samples"]),
-                    _fmt(r["loss"], ".4f"),
-                    _fmt(r["ppl"], ".2f"),
-                    _fmt(r["buckets"][0]["ppl"], ".2f"),
-                    _fmt(r["buckets"][-1]["ppl"], ".2f"),
-                    _fmt(diag.get("f_attn"), ".3f"),
-                    _fmt(diag.get("m_act"), ".1f"),
+                    _cell(r["loss"], ".4f"),
+                    _cell(r["ppl"], ".2f"),
+                    _cell(r["buckets"][0]["ppl"], ".2f"),
+                    _cell(r["buckets"][-1]["ppl"], ".2f"),
+                    _cell(diag.get("f_attn"), ".3f"),
+                    _cell(diag.get("m_act"), ".1f"),
                 ]
             )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-        for row in rows
-    ]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    return table_text(rows, right_from=2, rule="line")
 
 
 def plot(results: dict[str, Any], path: str | Path) -> Path:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megagate.console import cell
+from megagate.console import table as render_table
 from megagate.errors import MegagateError
 from megagate.files import write_atomic
 from megagate.frontier import state as state_mod
@@ -167,17 +169,6 @@ def grid_result(folders: Sequence[str | Path], spec: FrontierSpec) -> GridResult
     return GridResult([str(f) for f in folders], len(runs), spent, brackets, sorted(lrs))
 
 
-def _fmt(x: float | None, spec: str = ".4g") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def _layout(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def _seeds(status: dict[float, PointStatus], lr: float | None) -> str:
     if lr is None or lr not in status:
         return "-"
@@ -220,7 +211,7 @@ def text_report(state: FrontierState, out: Path, grid: GridResult | None = None)
                 r.variant,
                 ("-" if b.healthy is None else (">= " if b.unhealthy is None else "") + f"{b.healthy:.3g}"),
                 b.describe(),
-                _fmt(b.width, ".3g"),
+                cell(b.width, ".3g"),
                 _seeds(r.status, b.healthy),
                 _seeds(r.status, b.unhealthy),
                 str(len(r.rows)),
@@ -229,7 +220,7 @@ def text_report(state: FrontierState, out: Path, grid: GridResult | None = None)
                 r.phase,
             ]
         )
-    lines.append(_layout(rows))
+    lines.append(render_table(rows))
     trials_n = sum(len(r.rows) for r in results)
     lines += [
         "",
@@ -284,12 +275,12 @@ def text_report(state: FrontierState, out: Path, grid: GridResult | None = None)
                     str(t["attempts"]),
                     str(t["steps"]),
                     t["outcome"],
-                    _fmt(t["valid_loss"]),
+                    cell(t["valid_loss"]),
                     t["verdict"],
                     t["why"],
                 ]
             )
-    lines.append(_layout(trows))
+    lines.append(render_table(trows))
     return "\n".join(lines), record
 
 
@@ -304,7 +295,7 @@ def grid_lines(grid: GridResult, results: Sequence[VariantResult], spent: int) -
         g = grid.brackets.get(r.variant)
         inside = "-" if g is None else "yes" if _within(r.bracket, g) else "no"
         rows.append([r.variant, "-" if g is None else g.describe(), r.bracket.describe(), inside, f"{r.spent:,}"])
-    lines.append(_layout(rows))
+    lines.append(render_table(rows))
     agree, ties = same_order(grid.brackets, frontier)
     lines += [
         f"compute: frontier {spent:,} trial-steps vs grid {grid.spent:,} ({100 * spent / max(grid.spent, 1):.1f} %)",

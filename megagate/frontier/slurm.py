@@ -18,8 +18,8 @@ from typing import Any
 
 from megagate.errors import MegagateError
 from megagate.frontier.state import FrontierState
-from megagate.slurm import SlurmRequest, render_batch_script, submit, write_script
-from megagate.slurm.submit import SubmitError
+from megagate.grid import slurm as grid_slurm
+from megagate.slurm import SlurmRequest, submit
 
 ACTIVE_STATES = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED")
 
@@ -51,14 +51,8 @@ def array_script(state: FrontierState, out: Path, rnd: dict) -> tuple[SlurmReque
         run_dir=str(out),
         log_dir=str(out / "logs"),
     )
-    sweep = [rnd["overrides"][n] for n in names]
-    header = "\n".join(
-        [f"frontier round {rnd['index']} of {out}", *(f"array task {i}: {n}" for i, n in enumerate(names))]
-    )
-    script = render_batch_script(
-        request, ["-m", "megagate", "train", "--config", spec.config], sweep=sweep, header=header
-    )
-    return request, script
+    tasks = [(n, rnd["overrides"][n]) for n in names]
+    return grid_slurm.array_script(request, spec.config, tasks, f"frontier round {rnd['index']} of {out}")
 
 
 def driver_script(state: FrontierState, out: Path, after: int, cwd: Path) -> str:
@@ -85,15 +79,6 @@ def driver_script(state: FrontierState, out: Path, after: int, cwd: Path) -> str
     return "\n".join(lines) + "\n"
 
 
-def sbatch(path: Path, cwd: Path) -> int:
-    if shutil.which("sbatch") is None:
-        raise SubmitError("'sbatch' not found on PATH: submit from a Slurm login node")
-    proc = subprocess.run(["sbatch", "--parsable", str(path)], cwd=cwd, capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0:
-        raise SubmitError(f"sbatch refused {path}: {' '.join((proc.stderr or proc.stdout).split())}")
-    return int(proc.stdout.strip().split(";")[0])
-
-
 def submit_round(state: FrontierState, out: Path, rnd: dict) -> None:
     """Submit the round's array, then the driver that follows it; job ids go into the round record."""
     cwd = Path.cwd()
@@ -101,8 +86,12 @@ def submit_round(state: FrontierState, out: Path, rnd: dict) -> None:
     scripts = out / "slurm"
     array_id = submit(request, script, script_path=scripts / f"round-{rnd['index']}.sbatch", cwd=cwd)
     rnd["jobs"] = {"array": array_id}
-    driver = write_script(driver_script(state, out, array_id, cwd), scripts / f"driver-{rnd['index']}.sbatch")
-    rnd["jobs"]["driver"] = sbatch(driver, cwd)
+    rnd["jobs"]["driver"] = submit(
+        request,
+        driver_script(state, out, array_id, cwd),
+        script_path=scripts / f"driver-{rnd['index']}.sbatch",
+        cwd=cwd,
+    )
     print(
         f"[frontier] round {rnd['index']}: job array {array_id} ({len(rnd['trials'])} trials), then driver job "
         f"{rnd['jobs']['driver']}",

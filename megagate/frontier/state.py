@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megagate.errors import MegagateError
+from megagate.errors import ConfigError, MegagateError
 from megagate.frontier.rule import TrialOutcome
 from megagate.frontier.spec import FrontierSpec
 from megagate.monitor import runfiles
+from megagate.sections import read_fields
 
 STATE_FILE = "frontier.json"
 VERSION = 1
@@ -50,11 +51,10 @@ class Trial:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Trial:
-        d = dict(d)
-        d["outcome"] = None if d.get("outcome") is None else TrialOutcome(**d["outcome"])
-        d["rung_means"] = {int(k): float(v) for k, v in (d.get("rung_means") or {}).items()}
-        return cls(**d)
+    def from_dict(cls, d: dict[str, Any], path: str = "trial") -> Trial:
+        # as to_dict wrote it: the numbers unchecked (a diverged trial's loss is NaN), rung_means' JSON text keys
+        # numbers again
+        return cls(**read_fields(cls, d, path, scalars=False))
 
     @property
     def steps_run(self) -> int:
@@ -90,12 +90,12 @@ class FrontierState:
             return cls(
                 spec=FrontierSpec.from_dict(d["spec"]),
                 backend=dict(d["backend"]),
-                trials={name: Trial.from_dict(t) for name, t in d["trials"].items()},
+                trials={name: Trial.from_dict(t, f"trials.{name}") for name, t in d["trials"].items()},
                 rounds=list(d["rounds"]),
                 done=bool(d["done"]),
                 stop_reason=d.get("stop_reason"),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (ConfigError, KeyError, TypeError, ValueError) as exc:
             raise MegagateError(f"{path}: not a frontier state file ({type(exc).__name__}: {exc})") from None
 
     def of_variant(self, variant: str) -> Iterator[tuple[str, Trial]]:

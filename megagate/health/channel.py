@@ -23,9 +23,10 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from megagate.files import atomic_path
 
 WATCHDOG_DIR = "watchdog"
 HEALTH_EVENTS = "health.jsonl"
@@ -39,16 +40,10 @@ _FAILED = re.compile(r"^failed-rank(\d{5})\.json$")
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    """`data` as JSON at `path`, written to a temporary name beside it and renamed."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """`data` as JSON at `path`, written to a temporary name beside it and renamed (not fsynced, unlike
+    `files.write_atomic`: a progress record is rewritten every heartbeat and the next one replaces a lost one)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data))
 
 
 def read_json(path: Path) -> dict | None:
@@ -98,10 +93,8 @@ def write_failure_file(reason: str, hosts: list[str], kind: str) -> None:
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         lines = [f"kind={kind}", f"hosts={','.join(sorted(set(hosts)))}", "reason=" + " ".join(reason.split())]
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write("\n".join(lines) + "\n")
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            tmp.write_text("\n".join(lines) + "\n")
 
 
 class Channel:

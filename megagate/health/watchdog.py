@@ -35,6 +35,7 @@ import threading
 import time
 from pathlib import Path
 
+from megagate.distributed.utils import broadcast_object, get_rank, get_world_size, host_name
 from megagate.health import stacks
 from megagate.health.channel import Channel, append_event, describe, launch_name, write_failure_file
 from megagate.health.config import WatchdogConfig
@@ -44,11 +45,6 @@ from megagate.health.progress import PROGRESS, TIMED_PHASES, Snapshot
 HANG_EXIT_CODE = 75  # EX_TEMPFAIL: the job may succeed when rerun (requeued)
 PEER_EXIT_CODE = 2  # another rank failed and printed why
 BACKSTOP_MARGIN_S = 30.0
-
-
-def host_name() -> str:
-    """The node's name as the scheduler knows it (Slurm's SLURMD_NODENAME), else the host name."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def limit(cfg: WatchdogConfig, snap: Snapshot) -> float | None:
@@ -279,24 +275,14 @@ def current() -> Watchdog | None:
 
 def agreed_launch_name() -> str:
     """Rank 0's name for this launch's folder, on every rank (one broadcast at start-up, none later)."""
-    import torch.distributed as dist
-
-    name = launch_name(time.time(), os.urandom(3).hex())
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        box = [name]
-        dist.broadcast_object_list(box, src=0)
-        name = box[0]
-    return name
+    return broadcast_object(launch_name(time.time(), os.urandom(3).hex()))
 
 
 def start(cfg: WatchdogConfig, run_dir: str | os.PathLike) -> Watchdog | None:
     """The watchdog of this rank of an initialised process group (None when `watchdog.enabled` is false)."""
     if not cfg.enabled:
         return None
-    import torch.distributed as dist
-
-    initialized = dist.is_available() and dist.is_initialized()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
+    rank, world = get_rank(), get_world_size()
     # setup's age counts from this run's start, not from the import of progress (a long-lived or forked process:
     # an API user's second run, a pre-loaded fork server's child)
     PROGRESS.reset()

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megagate.errors import ConfigError, MegagateError
-from megagate.sections import as_mapping, refuse_unknown
+from megagate.sections import read_fields
 
 ACTIONS = ("warn", "skip", "rollback", "lr_backoff", "abort")
 DIRECTIONS = ("up", "both")
@@ -88,31 +88,18 @@ class SpikeMonitorConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> SpikeMonitorConfig:
         """Build from a config mapping (lists become tuples), naming unknown keys and values of the wrong type."""
-        values = as_mapping(values, "monitor.spike")
-        refuse_unknown(values, [f.name for f in dataclasses.fields(cls)], "monitor.spike")
-        if "enabled" in values and not isinstance(values["enabled"], bool):
-            raise ConfigError(f"monitor.spike.enabled={values['enabled']!r} must be true or false")
-        if "metrics" in values:
-            metrics = values["metrics"]
-            if not isinstance(metrics, (str, list, tuple)):
-                raise ConfigError(f"monitor.spike.metrics={metrics!r} must be a metric name or a list of them")
-            values["metrics"] = (metrics,) if isinstance(metrics, str) else tuple(metrics)
+        values = read_fields(cls, values, "monitor.spike", item="metric", scalars=False)
         watched = values.get("metrics", cls.metrics)
         for name in PER_METRIC:
-            if name not in values:
-                continue
-            if not isinstance(values[name], Mapping):
-                raise ConfigError(f"monitor.spike.{name}={values[name]!r} must be a mapping of metric -> value")
             # A key must be a watched metric, or one the default names (grad_norm: harmless when not watched, and
             # what to_dict() writes back).
             default = next(f for f in dataclasses.fields(cls) if f.name == name).default_factory()
-            extra = [m for m in values[name] if m not in watched and m not in default]
+            extra = [m for m in values.get(name, ()) if m not in watched and m not in default]
             if extra:
                 raise ConfigError(
                     f"monitor.spike.{name} has {extra[0]!r}, which is not a watched metric "
                     f"({', '.join(map(str, watched))})"
                 )
-            values[name] = dict(values[name])
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:

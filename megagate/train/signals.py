@@ -21,6 +21,8 @@ import sys
 import threading
 import time
 
+from megagate.distributed.utils import get_world_size
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 ABORT_EXIT_CODE = 128 + signal.SIGINT  # what a shell reports for a process killed by SIGINT
 _early: int | None = None  # a stop signal that arrived before the loop's handlers existed
@@ -113,10 +115,7 @@ class StopConditions:
     @property
     def lag(self) -> int:
         """Steps between a check that sees a local flag and the stop it causes (0 for one process, else 1)."""
-        import torch
-
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        return 0 if world == 1 else 1
+        return 0 if get_world_size() == 1 else 1
 
     def local(self, step_time: float = 0.0) -> int:
         """This rank's flag: 2 on a signal, 1 near the wall-time limit (within the steps until a stop), else 0."""

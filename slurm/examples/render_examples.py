@@ -14,8 +14,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from megagate.commands import sweep  # noqa: E402
 from megagate.commands.submit import render_for_config  # noqa: E402
+from megagate.grid import slurm as grid_slurm  # noqa: E402
+from megagate.grid import trials as grid  # noqa: E402
 from megagate.slurm import SlurmRequest, write_script  # noqa: E402
 
 CONFIG_15A2B = "slurm/examples/configs/15a2b_moe.yaml"
@@ -39,11 +40,12 @@ class Job:
         """The script text; ConfigError if the trainer would refuse the config on this job's world size."""
         if not self.lrs:
             return render_for_config(self.request, self.config, list(self.overrides), launcher=self.launcher)[1]
-        specs = sweep.expand_grid(
+        specs = grid.expand_grid(
             list(self.overrides), list(self.lrs), list(self.variants), [0], out_dir=f"runs/{self.request.job_name}"
         )
-        sweep.check_grid(specs, self.config, self.request.world_size)
-        return sweep.slurm_array(specs, self.config, self.request, self.launcher)
+        grid.check_grid(specs, self.config, self.request.world_size)
+        tasks = [(spec.name, [*spec.overrides, f"output.dir={spec.run_dir}"]) for spec in specs]
+        return grid_slurm.array_script(self.request, self.config, tasks, f"config: {self.config}", self.launcher)[1]
 
 
 MOE_8X8 = SlurmRequest(

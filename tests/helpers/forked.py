@@ -21,7 +21,6 @@ import contextlib
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
+
+from megagate.distributed.utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "megagate" / "__main__.py")  # sys.argv[0] of `python -m megagate`
@@ -261,7 +262,7 @@ def run_cli(
     base = {k: v for k, v in (os.environ if env is None else env).items() if k not in DIST_VARS}
     envs = [base]
     if nproc > 1:
-        port = str(_free_port())
+        port = str(free_port())
         envs = [
             {**base, "RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(nproc)}
             | {"GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
@@ -282,9 +283,3 @@ def run_cli(
 
 def _read(path: str) -> str:
     return Path(path).read_text(errors="replace") if Path(path).exists() else ""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -15,9 +15,11 @@ import pytest
 from helpers import tiny_model, trainer_jobs
 from megagate.analysis import analyze, report
 from megagate.commands import analyze as analyze_cmd
-from megagate.commands import sweep
 from megagate.errors import ConfigError, MegagateError
 from megagate.files import write_atomic
+from megagate.grid import local as grid_local
+from megagate.grid import slurm as grid_slurm
+from megagate.grid import trials as grid
 from megagate.monitor import diagnostics, runfiles
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -150,7 +152,7 @@ def test_runfiles_roundtrip_nonfinite_and_torn_line(tmp_path):
 
 # --- sweep -------------------------------------------------------------------------------------------------------
 def test_expand_grid():
-    specs = sweep.expand_grid(
+    specs = grid.expand_grid(
         ["train.steps=10", "train.lr=9"], [1e-3, 4e-3], ["baseline", "g1-elementwise"], [0, 1], out_dir="runs/s"
     )
     assert len(specs) == 8
@@ -166,11 +168,11 @@ def test_expand_grid():
         "output.dir=runs/s/g1-elementwise_lr0.004_s1",
     ]
     with pytest.raises(ConfigError, match="sweep variant 'g9' is not a gate preset"):
-        sweep.expand_grid([], [1e-3], ["g9"], [0])
+        grid.expand_grid([], [1e-3], ["g9"], [0])
     with pytest.raises(ConfigError, match="duplicate point"):
-        sweep.expand_grid([], [1e-3, 1e-3], ["baseline"], [0])
+        grid.expand_grid([], [1e-3, 1e-3], ["baseline"], [0])
     with pytest.raises(ConfigError, match="sweep learning rate -1"):
-        sweep.expand_grid([], [-1], ["baseline"], [0])
+        grid.expand_grid([], [-1], ["baseline"], [0])
 
 
 STAND_IN_TRAINER = textwrap.dedent('''
@@ -195,8 +197,8 @@ STAND_IN_TRAINER = textwrap.dedent('''
 def test_run_local_and_report(tmp_path):
     script = tmp_path / "train_stand_in.py"
     script.write_text(STAND_IN_TRAINER)
-    specs = sweep.expand_grid([], [1e-3, 0.1], ["baseline", "g1-elementwise"], [0], out_dir=str(tmp_path / "runs"))
-    results = sweep.run_local(specs, "base.yaml", command=[sys.executable, str(script)])
+    specs = grid.expand_grid([], [1e-3, 0.1], ["baseline", "g1-elementwise"], [0], out_dir=str(tmp_path / "runs"))
+    results = grid_local.run_local(specs, "base.yaml", command=[sys.executable, str(script)])
     assert results == {
         "baseline_lr0.001_s0": 0,
         "baseline_lr0.1_s0": 3,
@@ -212,9 +214,13 @@ def test_run_local_and_report(tmp_path):
 def test_slurm_array_script(tmp_path):
     from megagate.slurm import SlurmRequest
 
-    specs = sweep.expand_grid([], [1e-3, 8e-3], ["baseline", "g1-elementwise"], [0], out_dir="runs/s")
-    script = sweep.slurm_array(specs, "cfg.yaml", SlurmRequest(nodes=1, gpus_per_node=8, job_name="sw"))
+    specs = grid.expand_grid([], [1e-3, 8e-3], ["baseline", "g1-elementwise"], [0], out_dir="runs/s")
+    tasks = [(spec.name, [*spec.overrides, f"output.dir={spec.run_dir}"]) for spec in specs]
+    _, script = grid_slurm.array_script(
+        SlurmRequest(nodes=1, gpus_per_node=8, job_name="sw"), "cfg.yaml", tasks, "config: cfg.yaml"
+    )
     assert "#SBATCH --array=0-3" in script
+    assert "# array task 3: g1-elementwise_lr0.008_s0" in script
     assert "-m megagate train --config cfg.yaml" in script
     assert (
         "3) SWEEP_ARGS=(train.lr=0.008 model.gate.preset=g1-elementwise seed=0 output.dir=runs/s/g1-elementwise_lr0.008_s0)"

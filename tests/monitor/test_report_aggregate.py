@@ -22,10 +22,10 @@ import yaml
 from megagate import cli
 from megagate.analysis import aggregate, report
 from megagate.analysis.aggregate import CurveSpike, SpikeRule, curve_spikes, match_events
-from megagate.commands import sweep
 from megagate.config_reader import apply_overrides
 from megagate.errors import MegagateError
 from megagate.files import write_atomic
+from megagate.grid import trials as grid
 from megagate.monitor import runfiles
 from megagate.monitor.diagnostics import attention_logits, attention_stats
 from megagate.yamlfile import load_mapping
@@ -113,8 +113,8 @@ def write_run(run_dir: Path, overrides: list[str], qk: bool, variant: str, lr: f
 def write_sweep(out: Path, qk: bool) -> list[str]:
     """One sweep folder as `megagate sweep` lays it out: OUT/sweep.json and OUT/<variant>_lr<lr>_s<seed>."""
     base = [f"model.qk_layernorm={str(qk).lower()}"] if qk else []
-    specs = sweep.expand_grid(base, LRS, VARIANTS, SEEDS, out_dir=str(out))
-    sweep.write_sweep_file(out, str(CONFIG), base, LRS, VARIANTS, SEEDS, specs)
+    specs = grid.expand_grid(base, LRS, VARIANTS, SEEDS, out_dir=str(out))
+    grid.write_sweep_file(out, str(CONFIG), base, LRS, VARIANTS, SEEDS, specs)
     for spec in specs:
         kv = dict(o.split("=", 1) for o in spec.overrides)
         write_run(

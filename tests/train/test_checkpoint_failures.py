@@ -5,6 +5,7 @@ import errno
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megagate.checkpoint import failures
+from megagate.distributed.utils import host_name
 
 
 def test_an_os_error_known_only_by_its_text_is_named():
@@ -15,7 +16,7 @@ def test_an_os_error_known_only_by_its_text_is_named():
     rank, error = failures.failing_rank_error(CheckpointException("write", {0: (worker, [])}))
     assert rank == 0 and error.errno == errno.ENOSPC and error.strerror == "No space left on device"
     assert failures.write_error(CheckpointException("write", {0: (worker, [])})) == (
-        f"rank 0 ({failures.host()}): No space left on device (ENOSPC)"
+        f"rank 0 ({host_name()}): No space left on device (ENOSPC)"
     )
     # another rank's text is not read here: that rank's own line (naming its host) replaces the generic one
     assert failures.write_error(CheckpointException("write", {3: (worker, [])})) == "a write failed on another rank"

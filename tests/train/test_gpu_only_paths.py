@@ -12,6 +12,7 @@ import torch
 
 from megagate import config_reader as C
 from megagate import perf as P
+from megagate import perf_rules as R
 from megagate.errors import ConfigError
 from megagate.machine import Machine
 from megagate.run_config import TrainConfig
@@ -44,7 +45,7 @@ def _local_bf16(**perf) -> TrainConfig:
 
 def _check(cfg: TrainConfig, machine: Machine) -> None:
     """The real GPU's perf rules, as the run set-up applies them there."""
-    P.check_perf(cfg, P.resolve_perf(cfg, machine))
+    R.check_perf(cfg, P.resolve_perf(cfg, machine))
 
 
 def _attention_softmax(tconfig):

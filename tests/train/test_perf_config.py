@@ -21,6 +21,7 @@ import torch
 
 from megagate import config_reader as C
 from megagate import perf as P
+from megagate import perf_rules as R
 from megagate.cli import main
 from megagate.errors import ConfigError
 from megagate.machine import Machine
@@ -273,13 +274,13 @@ def test_device_refusals():
     cfg = make(train={"precision": "fp8", "fp8_recipe": "mxfp8"}, perf={"apply_rope_fusion": False})
     hopper = Machine(gpu=True, te=True, capability=(9, 0), deep_ep=False, apex=True)
     with pytest.raises(ConfigError, match=r"fp8_recipe='mxfp8' needs compute capability >= 10.0 .*this GPU is 9.0"):
-        P.check_perf(cfg, P.resolve_perf(cfg, hopper))
-    P.check_perf(cfg, P.resolve_perf(cfg, Machine(gpu=True, te=True, capability=(10, 0), apex=True)))  # Blackwell
+        R.check_perf(cfg, P.resolve_perf(cfg, hopper))
+    R.check_perf(cfg, P.resolve_perf(cfg, Machine(gpu=True, te=True, capability=(10, 0), apex=True)))  # Blackwell
     with pytest.raises(ConfigError, match="the CPU has no FP8"):
-        P.check_perf(cfg, P.resolve_perf(cfg, CPU))
+        R.check_perf(cfg, P.resolve_perf(cfg, CPU))
     flex = make(perf={"moe_token_dispatcher_type": "flex"})
     with pytest.raises(ConfigError, match="'flex' needs DeepEP, which is not installed"):
-        P.check_perf(flex, P.resolve_perf(flex, hopper))
+        R.check_perf(flex, P.resolve_perf(flex, hopper))
 
 
 def test_cli_dry_run_exits_2_with_the_line():

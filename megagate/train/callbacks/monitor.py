@@ -20,7 +20,7 @@ import torch
 
 from megagate import checkpoint as ckpt
 from megagate.console import log
-from megagate.health.watchdog import host_name
+from megagate.distributed.utils import get_rank, host_name
 from megagate.monitor import diagnostics, process_faults, runfiles
 from megagate.monitor.events import EventLog
 from megagate.monitor.faults import Fault, FaultInjector
@@ -138,8 +138,7 @@ class FaultInjection(Callback):
     def __init__(self, faults: Sequence[Fault], run_dir: str | None = None) -> None:
         self.injector = FaultInjector(faults)
         if run_dir is not None:
-            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            process_faults.arm(faults, run_dir, rank, host_name())
+            process_faults.arm(faults, run_dir, get_rank(), host_name())
 
     def on_close(self, trainer: TrainerView) -> None:
         process_faults.disarm()

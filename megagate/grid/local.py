@@ -1,7 +1,8 @@
-"""Run a round's trials on this machine: a pool of `megagate train` processes sized to it.
+"""Run a grid's trials on this machine: one after another on the console (`run_local`, `megagate sweep`), or a pool
+of `megagate train` processes sized to the machine (`run_pool`, a `megagate frontier` round).
 
-Each trial is its own process (`python -m megagate train --config C <overrides>`), its console output appended to
-OUT/logs/<name>.log. Workers: one per GPU when there are GPUs (each trial sees only its own), else one per
+In the pool each trial is its own process (`python -m megagate train --config C <overrides>`), its console output
+appended to OUT/logs/<name>.log. Workers: one per GPU when there are GPUs (each trial sees only its own), else one per
 `threads` CPU cores. A trial dies with the driver: the kernel sends it SIGTERM when the driver process ends (even
 of SIGKILL), so it checkpoints and exits at its next step boundary, and the rerun resumes it instead of running a
 second copy next to an orphan. SIGTERM/SIGINT to the driver are passed on the same way.
@@ -9,8 +10,7 @@ second copy next to an orphan. SIGTERM/SIGINT to the driver are passed on the sa
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import functools
 import os
 import signal
 import subprocess
@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from megagate.distributed.utils import die_with_parent
 from megagate.errors import MegagateError
-
-_PR_SET_PDEATHSIG = 1
+from megagate.grid.trials import TRAIN_COMMAND, RunSpec
 
 
 class Interrupted(MegagateError):
@@ -42,17 +42,6 @@ def default_workers(threads: int) -> tuple[int, list[str]]:
     if gpus:
         return len(gpus), gpus
     return max(1, (os.cpu_count() or 1) // max(1, threads)), []
-
-
-def _term_with_parent(parent: int) -> Callable[[], None]:
-    def init() -> None:
-        if sys.platform.startswith("linux"):
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-            if os.getppid() != parent:  # the driver died before the prctl: stop now
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    return init
 
 
 def run_pool(
@@ -102,7 +91,7 @@ def run_pool(
                         stdout=logf,
                         stderr=subprocess.STDOUT,
                         env=env,
-                        preexec_fn=_term_with_parent(os.getpid()),
+                        preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM),
                     )
                 running[name] = (proc, gpu)
                 if on_start is not None:
@@ -120,3 +109,24 @@ def run_pool(
 
 
 __all__ = ["Interrupted", "default_workers", "run_pool"]
+
+
+def run_local(
+    specs: Sequence[RunSpec], config_path: str, command: Sequence[str] = TRAIN_COMMAND, keep_going: bool = True
+) -> dict[str, int]:
+    """Run each spec in turn (`command` + spec.argv); return name -> exit status.
+
+    A diverged run that aborts (non-zero exit) is a result of a stability sweep, not a failure of the sweep:
+    with `keep_going` the remaining runs still execute.
+    """
+    results: dict[str, int] = {}
+    for i, spec in enumerate(specs, start=1):
+        Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
+        print(f"[sweep {i}/{len(specs)}] {spec.name}", flush=True)
+        status = subprocess.run([*command, *spec.argv(config_path)]).returncode
+        results[spec.name] = status
+        if status != 0:
+            print(f"[sweep] {spec.name} exited with status {status}", file=sys.stderr, flush=True)
+            if not keep_going:
+                break
+    return results
