@@ -55,12 +55,25 @@ def build_model(setup: RunSetup, *, initialise: bool = True) -> list[torch.nn.Mo
             vp_stage=stage,
             core_attention=setup.core_attention,
         )
+        _norms_to(chunk, tconfig.params_dtype)
         if setup.machine.gpu:
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
     if initialise:
         init.initialize(chunks, cfg.seed, cfg.model.init_method_std, cfg.model.num_layers)
     return chunks
+
+
+def _norms_to(chunk: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give torch's norm modules the model's dtype. megatron's local spec builds them (WrappedTorchNorm) in fp32
+    whatever params_dtype says; Megatron-LM's Float16Module casts them to bf16, and megatron's non-distributed
+    mixed-precision optimizer assumes it: it checkpoints only its half-precision parameters, so an fp32 norm
+    weight would stop the first save (`Param id ... does not match any model sharded param`)."""
+    if dtype == torch.float32:
+        return
+    for module in chunk.modules():
+        if isinstance(module, torch.nn.RMSNorm | torch.nn.LayerNorm):
+            module.to(dtype)
 
 
 def read_checkpoint(source: str | os.PathLike) -> tuple[Path, dict, TrainConfig]:

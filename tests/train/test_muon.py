@@ -133,3 +133,21 @@ def test_refusals_are_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
         load(str(T.CONFIG), [*overrides, "data.mock=true"])
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bf16_muon_saves_and_resumes(tmp_path, session_demo_dir):
+    """bf16 with the non-distributed optimizer (which Muon needs): megatron's mixed-precision optimizer checkpoints
+    only half-precision parameters, so every norm must be bf16 too (model_factory casts megatron's fp32 local
+    norms, as Megatron-LM's Float16Module does); before that the first save stopped the run."""
+    bf16 = [
+        "train.optimizer=muon",
+        "train.use_distributed_optimizer=false",
+        "train.precision=bf16",
+        "train.train_steps=4",
+        "train.warmup_steps=1",
+    ]
+    T.run_train(tmp_path / "whole", session_demo_dir, *bf16)
+    T.run_train(tmp_path / "resumed", session_demo_dir, *bf16, "train.exit_after_steps=2")
+    T.run_train(tmp_path / "resumed", session_demo_dir, *bf16)
+    whole, resumed = T.losses(tmp_path / "whole"), T.losses(tmp_path / "resumed")
+    assert sorted(whole) == [1, 2, 3, 4] and [resumed[s] for s in (3, 4)] == [whole[s] for s in (3, 4)]
