@@ -2,7 +2,7 @@
 
 megatron-core 0.19.2 imports these by module name at the moment a fused path runs, not when a model is built, so a
 GPU machine without them would fail inside the first forward or backward (a ModuleNotFoundError) unless the setting
-that reaches them is off. `megagate.perf.Device` probes them once per process and `resolve_perf` decides the
+that reaches them is off. `megagate.machine.Machine.detect()` probes them once per process and `resolve_perf` decides the
 settings from the answer, saying why a GPU default is off.
 
 * fused softmax (`perf.masked_softmax_fusion`): megatron's `FusedScaleMaskSoftmax` (the softmax of its local core

@@ -322,6 +322,70 @@ def group_table(groups: Sequence[aggregate.Group]) -> str:
     return render_table(rows)
 
 
+@dataclass(frozen=True)
+class Collected:
+    """The runs read, identified, sorted and grouped: the record the tables, plots and aggregate.json render."""
+
+    results: list[RunResult]
+    groups: list[aggregate.Group]
+
+
+def collect(
+    run_dirs: Sequence[str | Path],
+    rule: aggregate.SpikeRule = aggregate.DEFAULT_RULE,
+    tolerance: int = aggregate.DEFAULT_TOLERANCE,
+    replay: SpikeMonitorConfig | None = None,
+    diag_lr: float | None = None,
+) -> Collected:
+    """Read every run under `run_dirs` (sorted by sweep, setting, variant, LR, seed, name) and group them over
+    seeds; `diag_lr` must be one of their LRs."""
+    results = [load_run(p, rule, tolerance, replay) for p in find_runs(run_dirs)]
+    aggregate.identify(results)
+    results.sort(
+        key=lambda r: (r.sweep, r.setting, r.variant, r.lr if r.lr is not None else math.inf, r.seed or 0, r.name)
+    )
+    if diag_lr is not None and not any(r.lr == diag_lr for r in results):
+        lrs = ", ".join(cell(lr) for lr in sorted({r.lr for r in results if r.lr is not None}))
+        raise MegagateError(f"--diag-lr {diag_lr:g} is not an LR of the runs; their LRs: {lrs}")
+    return Collected(results, aggregate.group_runs(results))
+
+
+def render_text(c: Collected, replay: SpikeMonitorConfig | None = None) -> str:
+    """The per-run table, the per-group table, and the cluster-health section."""
+    text = table(c.results) + "\n\nover seeds, per (sweep, setting, variant, lr):\n" + group_table(c.groups)
+    if replay is not None:
+        text += f"\n(monitor events replayed over the logged curves with monitor.spike = {replay.to_dict()})"
+    return text + health_section([r.run_dir for r in c.results], [r.label for r in c.results])
+
+
+def write_outputs(
+    c: Collected,
+    text: str,
+    out: Path,
+    diag_lr: float | None,
+    rule: aggregate.SpikeRule,
+    tolerance: int,
+    replay: SpikeMonitorConfig | None,
+) -> None:
+    """The plots, aggregate.json and report.txt (`text`) under `out`."""
+    results = c.results
+    report_plots.plot_loss_curves(results, out / "loss_curves.png")
+    report_plots.plot_final_loss_vs_lr(results, out / "final_loss_vs_lr.png")
+    report_plots.plot_lr_sensitivity(results, out / "lr_sensitivity.png")
+    if diag_lr is not None:
+        lrs_by_panel = {(r.sweep, r.setting): diag_lr for r in results}
+    else:
+        lrs_by_panel = report_plots.default_diag_lrs(results)
+    if any(r.diagnostics for r in results):
+        report_plots.plot_diagnostics_over_training(results, out / "diagnostics_over_training.png", lrs_by_panel)
+    record = aggregate.record(results, c.groups, rule, tolerance)
+    record["definitions"]["monitor_events"] = (
+        "events.jsonl (as logged)" if replay is None else {"replayed_with": replay.to_dict()}
+    )
+    runfiles.write_json(out / "aggregate.json", record)
+    write_atomic(out / "report.txt", text + "\n")
+
+
 def report(
     run_dirs: Sequence[str | Path],
     out_dir: str | Path | None = None,
@@ -340,34 +404,8 @@ def report(
         from megagate.files import check_writable_dir
 
         check_writable_dir(out_dir, "--out")
-    results = [load_run(p, rule, tolerance, replay) for p in find_runs(run_dirs)]
-    aggregate.identify(results)
-    results.sort(
-        key=lambda r: (r.sweep, r.setting, r.variant, r.lr if r.lr is not None else math.inf, r.seed or 0, r.name)
-    )
-    if diag_lr is not None and not any(r.lr == diag_lr for r in results):
-        lrs = ", ".join(cell(lr) for lr in sorted({r.lr for r in results if r.lr is not None}))
-        raise MegagateError(f"--diag-lr {diag_lr:g} is not an LR of the runs; their LRs: {lrs}")
-    groups = aggregate.group_runs(results)
-    text = table(results) + "\n\nover seeds, per (sweep, setting, variant, lr):\n" + group_table(groups)
-    if replay is not None:
-        text += f"\n(monitor events replayed over the logged curves with monitor.spike = {replay.to_dict()})"
-    text += health_section([r.run_dir for r in results], [r.label for r in results])
+    collected = collect(run_dirs, rule, tolerance, replay, diag_lr)
+    text = render_text(collected, replay)
     if out_dir is not None:
-        out = Path(out_dir)
-        report_plots.plot_loss_curves(results, out / "loss_curves.png")
-        report_plots.plot_final_loss_vs_lr(results, out / "final_loss_vs_lr.png")
-        report_plots.plot_lr_sensitivity(results, out / "lr_sensitivity.png")
-        if diag_lr is not None:
-            lrs_by_panel = {(r.sweep, r.setting): diag_lr for r in results}
-        else:
-            lrs_by_panel = report_plots.default_diag_lrs(results)
-        if any(r.diagnostics for r in results):
-            report_plots.plot_diagnostics_over_training(results, out / "diagnostics_over_training.png", lrs_by_panel)
-        record = aggregate.record(results, groups, rule, tolerance)
-        record["definitions"]["monitor_events"] = (
-            "events.jsonl (as logged)" if replay is None else {"replayed_with": replay.to_dict()}
-        )
-        runfiles.write_json(out / "aggregate.json", record)
-        write_atomic(out / "report.txt", text + "\n")
+        write_outputs(collected, text, Path(out_dir), diag_lr, rule, tolerance, replay)
     return text

@@ -3,7 +3,7 @@
 megatron forks a process per save (TemporalAsyncCaller): the child gets a copy-on-write snapshot of this process's
 memory as it is at the fork (on GPU, megatron first copies the shards to host memory), so the step loop changes the
 weights at once while the child writes the state of the saved step. megagate's fork hook
-(megagate.train.children) makes the child ignore the stop signals and die with its parent.
+(megagate.distributed.children) makes the child ignore the stop signals and die with its parent.
 
 Finalising a save is collective (megatron gathers the write results, writes the metadata, barriers; then the
 manifest and the rename), so every rank must do it at the same step. Every `check_interval` steps while a write is

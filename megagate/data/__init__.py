@@ -12,7 +12,6 @@ Modules (each with one job; importing this package is cheap — no torch, no meg
 - `sampler`     Megatron-LM's pretraining sampler and micro-batch assembly (which samples each rank reads)
 - `dali_loader` the DALI pipeline behind `build_loader(kind="dali")`
 - `demo`        `prepare_demo_data`: corpus -> tokenizer -> indexed prefix in one call, cached; `run_tokenizer`
-- `bench`       the preprocessing and loader benchmark (`tools/bench_preprocess.py`)
 
 `megagate data inspect PREFIX` is `megagate.commands.data` (reading through `indexed`).
 """

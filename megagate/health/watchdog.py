@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from megagate.distributed.utils import broadcast_object, get_rank, get_world_size, host_name
+from megagate.distributed.utils import barrier, broadcast_object, get_rank, get_world_size, host_name
 from megagate.health import stacks
 from megagate.health.channel import Channel, append_event, describe, launch_name, write_failure_file
 from megagate.health.config import WatchdogConfig
@@ -108,8 +108,6 @@ class Watchdog:
     def stop_idle(self) -> None:
         """Stop after a launch that trained no step (the run was already complete): its launch folder goes too, so a
         rerun of a finished run leaves every file of the run as it was."""
-        from megagate.distributed.utils import barrier
-
         self.stop()
         with contextlib.suppress(OSError):
             self.channel.record_path(self.rank).unlink()

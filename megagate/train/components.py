@@ -12,7 +12,7 @@ import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,10 @@ from megagate.errors import ConfigError, MegagateError
 from megagate.model_factory import build_model
 from megagate.run_config import MEGATRON_LR_STYLE, TrainConfig
 from megagate.run_setup import RunSetup
+
+if TYPE_CHECKING:  # type-only: ddp_config and optimizer_config import the classes where they build them
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
 
 
 @dataclass
@@ -58,7 +62,7 @@ class DataBuild:
 
 
 # --- DDP, optimizer ------------------------------------------------------------------------------------------------
-def ddp_config(setup: RunSetup) -> DistributedDataParallelConfig:  # noqa: F821
+def ddp_config(setup: RunSetup) -> DistributedDataParallelConfig:
     """megatron's DistributedDataParallelConfig of the run set-up."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -97,7 +101,7 @@ def wrap_ddp(setup: RunSetup, chunks: list) -> list:
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.uint8}
 
 
-def optimizer_config(setup: RunSetup) -> OptimizerConfig:  # noqa: F821
+def optimizer_config(setup: RunSetup) -> OptimizerConfig:
     """megatron's OptimizerConfig (AdamW or Muon, with clipping; the precision-aware optimizer's dtypes) of the
     set-up."""
     from megatron.core.optimizer import OptimizerConfig

@@ -24,7 +24,7 @@ and the next step's micro-batches are read in a background thread while this one
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -216,6 +216,15 @@ class Trainer:
     def callback(self, kind: type) -> Any:
         """The first callback of this type, or None."""
         return next((cb for cb in self.callbacks if isinstance(cb, kind)), None)
+
+    def record_metric(self, step: int, metrics: Mapping[str, float | str]) -> None:
+        """Metrics of `step` (numbers, or text) for the loggers: every callback's `log_metrics` hook gets them."""
+        for cb in self.callbacks:
+            cb.log_metrics(self, step, metrics)
+
+    def record_summary(self, key: str, value: Any) -> None:
+        """An entry of the run's summary.json (written by RunSummary when the run is over)."""
+        self.summary[key] = value
 
     def latest_checkpoint(self) -> Path | None:
         self.checkpointer.wait()  # a save being written in the background becomes the latest first

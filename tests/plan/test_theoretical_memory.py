@@ -2,7 +2,7 @@
 
 For the paper's three models under the issue's layouts, megatron's `compute_weight_and_optimizer_memory`,
 `compute_activation_memory` (sequence parallel + selective recompute, Korthikanti et al. Table 2) and
-`compute_activation_memory_without_sp` are called on the `args` megagate.plan.megatron_reference builds from the same
+`compute_activation_memory_without_sp` are called on the `args` helpers.megatron_reference builds from the same
 config, and every difference to the planner's stage-0 (megatron's "most loaded shard", the first pipeline stage)
 figures is asserted as an exact sum of named, explained terms (docs/planning.md, "Against megatron's
 theoretical_memory_usage.py"). `pytest -s` prints the tables.
@@ -27,11 +27,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers.megatron_reference import megatron_args
 from megagate import config_reader, run_config
 from megagate.model.gate_params import gate_parameters
 from megagate.plan import memory as mem
 from megagate.plan import plan
-from megagate.plan.megatron_reference import megatron_args
 from megagate.plan.params import rank_buffers
 
 with warnings.catch_warnings():

@@ -165,9 +165,15 @@ def test_callback_order_is_declared_by_priority() -> None:
 
 
 def test_no_callback_reaches_into_another() -> None:
-    """Callbacks talk through hooks (post_checkpoint_saved) and generic trainer operations; the only lookup left is
-    MetricsLogger's writer and validation line (the run's one metrics sink)."""
+    """Callbacks talk through hooks (post_checkpoint_saved, log_metrics) and generic trainer operations
+    (record_metric, record_summary); the only lookup left is MetricsLogger's TensorBoard writer, for the spike
+    events' and the diagnostics' series (histograms included), in one place."""
+    lookups = {}
     for path in sorted((PACKAGE / "train" / "callbacks").glob("*.py")):
         text = path.read_text()
         for name in ("Checkpointing", "Evaluation", "SpikeMonitoring", "StopChecks", "RunSummary"):
             assert f"callback({name})" not in text, f"{path.name} looks up {name}"
+        assert "summary[" not in text, f"{path.name} writes trainer.summary"
+        if text.count("callback(MetricsLogger)"):
+            lookups[path.name] = text.count("callback(MetricsLogger)")
+    assert lookups == {"monitor.py": 1}

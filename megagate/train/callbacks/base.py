@@ -18,6 +18,12 @@ of equal priority in the order they were given):
     post_checkpoint_saved(trainer, path, step) after every checkpoint (whoever asked for it), on every rank
     on_end(trainer)                            the loop ended: completed, stopped, or aborted by trainer.stop(error)
     on_close(trainer)                          always last, also after an exception: release resources
+    log_metrics(trainer, step, metrics)        whenever a callback records metrics (trainer.record_metric), on the
+                                               ranks that record them (not a collective): the loggers' end
+                                               (MetricsLogger: TensorBoard, the validation line)
+
+Callbacks record what they found through the trainer, never into another callback: `trainer.record_metric(step,
+{name: number or text})` for the loggers, `trainer.record_summary(key, value)` for summary.json.
 
 `state_dict()` of a callback with a `state_key` is saved in every checkpoint (as "x_<state_key>" in its
 megagate.json, so it must be JSON-serialisable) and handed to `load_state_dict` when a run resumes.
@@ -26,13 +32,20 @@ Every rank runs every hook with the same values, so hooks may make collective ca
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from megagate.run_config import TrainConfig
 from megagate.train.step_values import HostReads, StepLog, StepValues
+
+if TYPE_CHECKING:
+    from megagate.checkpoint import Checkpointer
+    from megagate.distributed.layout import Layout
+    from megagate.train.components import Components
+
+VALID_LOSS = "valid/loss"  # the metric name of a validation loss: MetricsLogger writes it as the validation line
 
 
 @dataclass
@@ -102,17 +115,17 @@ class TrainerView(Protocol):
     """What a callback may read and do of the running Trainer (megagate.train.trainer.Trainer)."""
 
     cfg: TrainConfig
-    components: Any  # megagate.train.components.Components: model chunks, optimizer, datasets, layout
-    layout: Any  # megagate.distributed.layout.Layout
+    components: Components  # model chunks, optimizer, datasets, layout
+    layout: Layout
     model: list  # this rank's model chunks (unwrapped)
-    checkpointer: Any  # megagate.checkpoint.Checkpointer of the run
+    checkpointer: Checkpointer
     logging_rank: bool  # this rank writes the run files
     step: int  # completed steps
     start_step: int  # the step this launch began at
     consumed_samples: int  # the data position: global samples before the next step
     stop_reason: str | None
     error: BaseException | None
-    summary: dict[str, Any]
+    summary: Mapping[str, Any]  # read here, written through record_summary
     first_loss: float | None
     reads: HostReads  # the trainer's device-to-host reads (counted)
     step_log: StepLog  # the trained steps' loss and grad norm, on the device until read
@@ -128,6 +141,10 @@ class TrainerView(Protocol):
     def seek(self, samples: int) -> None: ...
 
     def callback(self, kind: type) -> Any: ...
+
+    def record_metric(self, step: int, metrics: Mapping[str, float | str]) -> None: ...
+
+    def record_summary(self, key: str, value: Any) -> None: ...
 
     def latest_checkpoint(self) -> Path | None: ...
 
@@ -169,6 +186,9 @@ class Callback:
         pass
 
     def on_close(self, trainer: TrainerView) -> None:
+        pass
+
+    def log_metrics(self, trainer: TrainerView, step: int, metrics: Mapping[str, float | str]) -> None:
         pass
 
     def state_dict(self) -> dict[str, Any]:

@@ -11,8 +11,7 @@ from megagate.console import log
 from megagate.health import progress
 from megagate.run_config import TrainConfig
 from megagate.train import components as parts
-from megagate.train.callbacks.base import Callback, StepOutput, TrainerView
-from megagate.train.callbacks.metrics import MetricsLogger
+from megagate.train.callbacks.base import VALID_LOSS, Callback, StepOutput, TrainerView
 from megagate.train.signals import StopConditions
 from megagate.train.step_values import read_global_losses
 
@@ -47,11 +46,7 @@ class Evaluation(Callback):
     priority = 30
 
     def __init__(self) -> None:
-        self.logger: MetricsLogger | None = None
         self.saved_step: int | None = None
-
-    def on_start(self, trainer: TrainerView) -> None:
-        self.logger = trainer.callback(MetricsLogger)
 
     def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         t = trainer.cfg.train
@@ -75,9 +70,8 @@ class Evaluation(Callback):
 
     def _evaluate(self, trainer: TrainerView) -> None:
         loss = evaluate(trainer)
-        trainer.summary["final_valid_loss"] = loss
-        if self.logger is not None:
-            self.logger.validation(trainer.step, loss)
+        trainer.record_summary("final_valid_loss", loss)
+        trainer.record_metric(trainer.step, {VALID_LOSS: loss})
 
 
 def asynchronous(cfg: TrainConfig) -> bool:

@@ -45,7 +45,7 @@ class EarlyStopping(Callback):
         early = previous.get("early_stop")
         if isinstance(early, dict) and previous.get("steps") == trainer.step and trainer.step:
             # decided at this checkpoint already: stay decided (a plain stop writes no new summary)
-            trainer.summary["early_stop"] = early  # summary.json stays as the decision wrote it (no final stop)
+            trainer.record_summary("early_stop", early)  # summary.json stays as the decision wrote it (no final stop)
             trainer.stop(f"already decided: {early.get('reason')}")
 
     def on_step_start(self, trainer: TrainerView, step: int) -> None:
@@ -63,7 +63,7 @@ class EarlyStopping(Callback):
 
     def _decide(self, trainer: TrainerView, decision: StopDecision) -> None:
         self.decision = decision
-        trainer.summary["early_stop"] = decision.to_dict()
+        trainer.record_summary("early_stop", decision.to_dict())
         trainer.stop(decision.reason, final=True)
         log(f"early stop at step {decision.step} ({decision.rule}): {decision.reason}")
 

@@ -16,12 +16,12 @@ from megagate.health import channel, watchdog
 from megagate.health.config import StragglerConfig
 from megagate.health.straggler import StragglerDetector
 from megagate.train.callbacks.base import Callback, StepOutput, TrainerView
-from megagate.train.callbacks.metrics import MetricsLogger
 
 
 class StragglerReport(Callback):
-    """After MetricsLogger (90: its TensorBoard writer exists at on_start); reads files only, so its place among
-    the step's other callbacks does not matter."""
+    """Every `straggler.interval` steps on the logging rank: the slow-rank reports (console, health.jsonl) and their
+    figures recorded for the loggers; reads files only, so its place among the step's other callbacks does not
+    matter."""
 
     priority = 55
 
@@ -30,11 +30,6 @@ class StragglerReport(Callback):
         # or two, not to one or two steps (too few for the fastest step to filter a loaded machine's noise)
         self.cfg = cfg
         self.detector = StragglerDetector(cfg.margin, cfg.windows, min_steps=-(-3 * cfg.interval // 4))
-        self.writer = None
-
-    def on_start(self, trainer: TrainerView) -> None:
-        logger = trainer.callback(MetricsLogger)
-        self.writer = None if logger is None else logger.writer
 
     def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         dog = watchdog.current()
@@ -42,11 +37,11 @@ class StragglerReport(Callback):
             return
         summary = self.detector.observe(dog.channel.records())
         slowest = summary.slowest
-        if self.writer is not None and slowest is not None:
-            self.writer.add_scalar("straggler/max_compute_ratio", slowest[1], output.step)
-            self.writer.add_scalar("straggler/slowest_rank", slowest[0], output.step)
+        if slowest is not None:
+            trainer.record_metric(
+                output.step, {"straggler/max_compute_ratio": slowest[1], "straggler/slowest_rank": slowest[0]}
+            )
         for report in summary.reports:
             log(report.line())
             channel.append_event(trainer.cfg.output.dir, report.to_dict())
-            if self.writer is not None:
-                self.writer.add_text("straggler/reports", report.line(), output.step)
+            trainer.record_metric(output.step, {"straggler/reports": report.line()})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from megagate.console import log
 from megagate.files import write_atomic
 from megagate.model.counts import flops_per_token
 from megagate.monitor import runfiles
-from megagate.train.callbacks.base import Callback, StepOutput, TrainerView
+from megagate.train.callbacks.base import VALID_LOSS, Callback, StepOutput, TrainerView
 from megagate.train.metric_writer import Metrics
 from megagate.train.step_values import stacked
 
@@ -96,6 +97,17 @@ class MetricsLogger(Callback):
         """A validation line (console, JSONL, TensorBoard)."""
         if self.metrics is not None:
             self.metrics.validation(step, loss)
+
+    def log_metrics(self, trainer: TrainerView, step: int, metrics: Mapping[str, float | str]) -> None:
+        """What the callbacks record (`trainer.record_metric`): VALID_LOSS is the validation line; any other number
+        a TensorBoard scalar, any text a TensorBoard text (nothing without TensorBoard)."""
+        for name, value in metrics.items():
+            if name == VALID_LOSS:
+                self.validation(step, float(value))
+            elif self.writer is not None and isinstance(value, str):
+                self.writer.add_text(name, value, step)
+            elif self.writer is not None:
+                self.writer.add_scalar(name, value, step)
 
     def on_close(self, trainer: TrainerView) -> None:
         if self.metrics is not None:

@@ -48,13 +48,13 @@ class SpikeMonitoring(Callback):
         # judged before the update (one host read per step): an action that decides, or a callback after this one
         # that needs each step's flags as it trains (EarlyStopping counts the loss spikes)
         self.deciding = config.action in self.DECIDING or flag_steps
-        self._summary: dict[str, Any] | None = None
+        self._trainer: TrainerView | None = None  # where the events' count goes (record_summary)
 
     def on_start(self, trainer: TrainerView) -> None:
         if trainer.logging_rank:
             self.events = EventLog(Path(trainer.cfg.output.dir) / runfiles.EVENTS, _writer(trainer))
-        trainer.summary["spikes"] = self.monitor.num_events
-        self._summary = trainer.summary
+        trainer.record_summary("spikes", self.monitor.num_events)
+        self._trainer = trainer
         if not self.deciding:
             trainer.step_log.subscribe(self._observe_read)  # judged as the trainer reads the steps
 
@@ -65,8 +65,8 @@ class SpikeMonitoring(Callback):
     def _record(self, events: list) -> None:
         if events and self.events is not None:
             self.events.write(events)
-        if self._summary is not None:
-            self._summary["spikes"] = self.monitor.num_events
+        if self._trainer is not None:
+            self._trainer.record_summary("spikes", self.monitor.num_events)
 
     def on_step_start(self, trainer: TrainerView, step: int) -> None:
         # Rollbacks drop windows of batches (numbered by the step that reads them in an uninterrupted run). The data

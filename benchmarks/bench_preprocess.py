@@ -1,4 +1,6 @@
-"""Preprocessing and loader benchmark on the real stdlib corpus (`tools/bench_preprocess.py`).
+"""Preprocessing and loader benchmark on the real stdlib corpus.
+
+    .venv/bin/python benchmarks/bench_preprocess.py [--max-bytes N] [--workers 1 2] [--json out.json]
 
 One run prints, on the same corpus and vocabulary:
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -203,3 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
     return 0 if res["identical_outputs"] and res.get("loaders_identical", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
