@@ -13,6 +13,7 @@ import math
 from megagate.distributed import layout as layout_rules
 from megagate.errors import ConfigError
 from megagate.machine import Machine
+from megagate.model.hybrid import check_gdn_parallel
 from megagate.model.qkv_layout import check_tensor_parallel
 from megagate.perf import check_perf, resolve_perf
 from megagate.run_config import (
@@ -53,6 +54,7 @@ def check_rules(cfg: TrainConfig) -> None:
     check_tensor_parallel(
         m.num_attention_heads, m.num_query_groups, p.tensor_model_parallel_size, model="model.", parallel="parallel."
     )
+    check_gdn_parallel(m, p.tensor_model_parallel_size, p.context_parallel_size)
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
     chunks = pp * (vpp or 1)
     if m.num_layers % chunks:
