@@ -8,8 +8,9 @@ config copy with `deterministic_mode=True` (that copy only: the rest of the mode
 missing `l2norm` name with `torch_l2norm` (the same formula: x · rsqrt(Σx² + 1e-6)), and passes the constructor's
 fla check. With fla installed (GPU), megatron's kernels run unchanged.
 
-`GDNOutputNorm` is the per-value-head RMSNorm before the output gate: zero-centred (`1 + w`) when the model's norms
-are, so the weight means what every other norm weight means. Its weight is replicated over tensor-parallel ranks
+`GDNOutputNorm` is the per-value-head RMSNorm before the output gate, with a plain weight `w` (initialised to ones)
+even in a model whose other norms are zero-centred: so Qwen3-Next defines it (transformers' `Qwen3NextRMSNormGated`),
+and so its weight leaves and enters a Hugging Face folder bit for bit. Its weight is replicated over tensor-parallel ranks
 while each rank normalises only its own heads, so its gradient is summed over TP (megatron's finalize step sums
 only sequence-parallel and q/k norms, and would leave the replicas drifting apart).
 """
@@ -78,15 +79,13 @@ class GatedDeltaNet(MegatronGatedDeltaNet):
 
 
 class GDNOutputNorm(torch.nn.Module):
-    """RMSNorm over one value head, `w` (or `1 + w` with zero-centred norms), gradient summed over TP ranks."""
+    """RMSNorm over one value head with weight `w` (plain in every model), gradient summed over TP ranks."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_: Any) -> None:
         super().__init__()
         self.eps = eps
-        self.zero_centered = bool(config.layernorm_zero_centered_gamma)
         device = None if config.use_cpu_initialization else torch.cuda.current_device()
-        fill = torch.zeros if self.zero_centered else torch.ones
-        self.weight = torch.nn.Parameter(fill(hidden_size, dtype=config.params_dtype, device=device))
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=device))
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,11 +95,10 @@ class GDNOutputNorm(torch.nn.Module):
             weight = copy_to_tensor_model_parallel_region(weight)  # identity forward, all-reduce of the gradient
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        scale = 1.0 + weight.float() if self.zero_centered else weight.float()
-        return (scale * y.type_as(x).float()).type_as(x)
+        return (weight.float() * y.type_as(x).float()).type_as(x)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}{', zero_centered' if self.zero_centered else ''}"
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
 def gdn_mixer_spec(backend: str) -> ModuleSpec:

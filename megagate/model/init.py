@@ -49,9 +49,9 @@ RULES: tuple[Rule, ...] = (
     Rule("bias", re.compile(r"(^|\.)(layer_norm_)?bias$"), "zeros"),
     # local norms (input_layernorm, pre_mlp_layernorm, q/k_layernorm, final_layernorm, sandwich `*_bda.norm`) and
     # the norm fused into TE's LayerNormLinear (`layer_norm_weight`)
-    Rule(
-        "norm weight", re.compile(r"(layernorm\.weight|\.norm\.weight|\.layer_norm_weight|\.out_norm\.weight)$"), "ones"
-    ),
+    # Qwen3-Next's gated output norm of a Gated DeltaNet layer is plain (w) in every model (megagate.model.gdn)
+    Rule("GDN output norm weight", re.compile(r"\.out_norm\.weight$"), "ones"),
+    Rule("norm weight", re.compile(r"(layernorm\.weight|\.norm\.weight|\.layer_norm_weight)$"), "ones"),
     Rule("sublayer output projection", re.compile(r"\.(linear_proj|linear_fc2)\.weight$"), "normal_scaled"),
     Rule("input projection", re.compile(r"\.(linear_qkv|linear_fc1)\.weight$"), "normal"),
     Rule("MoE router", re.compile(r"\.router\.weight$"), "normal"),
