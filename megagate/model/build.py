@@ -53,6 +53,8 @@ def transformer_config(
     if hybrid.is_hybrid(model):
         # read by megatron's GatedDeltaNet (megagate.model.gdn); which layers are GDN is the spec's business
         moe.update({name: getattr(model, name) for name in hybrid.GDN_FIELDS})
+        # layers of two kinds cannot be stacked along one layer axis in a distributed checkpoint: one key per layer
+        moe.update(hetereogenous_dist_checkpoint=True)
     kwargs: dict[str, Any] = dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,

@@ -77,6 +77,18 @@ class GatedDeltaNet(MegatronGatedDeltaNet):
         with _constructor_without_fla():
             super().__init__(config, submodules, **kw)
 
+    def reset_parameters(self) -> None:
+        """megatron's values (dt_bias 1, A = U(A_init_range)) from the default generator: megatron draws them inside
+        the model-parallel CUDA RNG fork, which on the CPU warns on every layer. megagate's layout-independent
+        initialiser (megagate.model.init) overwrites them in every run anyway."""
+        if not self.config.perform_initialization:
+            return
+        with torch.no_grad():
+            if self.conv_init is not None:
+                torch.nn.init.uniform_(self.conv1d.weight, -self.conv_init, self.conv_init)
+            self.dt_bias.fill_(1.0)
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(*self.A_init_range).log())
+
 
 class GDNOutputNorm(torch.nn.Module):
     """RMSNorm over one value head with weight `w` (plain in every model), gradient summed over TP ranks."""
