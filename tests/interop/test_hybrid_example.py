@@ -60,6 +60,15 @@ def test_hybrid_example_train_export_transformers_import_continue(tmp_path, sess
     diff = (theirs - ours).abs().max().item()
     print(f"trained hybrid: max |logit difference| megagate vs transformers {diff:.2e}")
     assert diff < 1e-5
+    # transformers' generate with its cache (the GDN layers' recurrent decode step) picks megagate's greedy tokens
+    assert config["use_cache"] is True
+    with torch.no_grad():
+        generated = hf_model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, ids.shape[1] :]
+        mine = ids
+        for _ in range(6):
+            logits = model(mine, torch.arange(mine.shape[1]).unsqueeze(0), None)
+            mine = torch.cat([mine, logits[:, -1:].argmax(-1)], dim=1)
+    assert generated.tolist() == mine[0, ids.shape[1] :].tolist()
 
     assert main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "imported")]) == 0
     before = {k: v for k, v in T.checkpoint_tensors(trained, tmp_path).items() if "_extra_state" not in k}
