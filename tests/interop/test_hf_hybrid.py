@@ -132,3 +132,29 @@ def test_hybrid_refused_by_formats_without_gdn():
     assert hf.formats_for(mc) == ["qwen3_next"]
     with pytest.raises(ConfigError, match="model.layer_pattern='GGG\\*': the paper format has no Gated DeltaNet"):
         hf.check_exportable(mc, "paper")
+
+
+def test_mtp_head_dropped_with_a_notice(tmp_path, capsys):
+    """A released Qwen3-Next folder carries `mtp.*` tensors (its multi-token-prediction head, which transformers does
+    not build either): the import drops them with one warning line and reads the rest as without them."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from megagate.interop.hf_folder import read_hf_folder
+
+    mc = hybrid_config("moe-noshared-G*")
+    gen = torch.Generator().manual_seed(0)
+    tensors = {k: torch.randn(s, generator=gen) for k, s in hf.hf_shapes(mc, "qwen3_next").items()}
+    for key in tensors:
+        if key.endswith("shared_expert_gate.weight"):
+            tensors[key].zero_()
+    (tmp_path / "config.json").write_text(json.dumps(hf.hf_config(mc, "qwen3_next")))
+    save_file(
+        {**tensors, "mtp.fc.weight": torch.ones(4, 4), "mtp.norm.weight": torch.ones(4)}, tmp_path / "a.safetensors"
+    )
+    back, fmt, state = read_hf_folder(tmp_path)
+    err = capsys.readouterr().err
+    assert fmt == "qwen3_next" and hf.same_architecture(back, mc)
+    assert_same_tensors(state, hf.from_hf_state_dict(mc, "qwen3_next", tensors))
+    assert err.count("\n") == 1 and "dropped 2 mtp.* tensors" in err
