@@ -79,8 +79,9 @@ def _unshard(local: torch.Tensor, name: str, param: torch.Tensor, sections: list
 
 
 def hybrid_worker(rank: int, world: int, mode: str, num_microbatches: int = 2) -> dict[str, Any]:
-    """mode "tp" (dense hybrid, TP 2), "pp" (MoE hybrid, PP 2, 1F1B over the micro-batches) or "ep" (MoE hybrid,
-    EP 2, each rank half the batch): max |Δ| of losses and gradients against one process."""
+    """mode "tp" (dense hybrid, TP 2), "tpsp" (MoE hybrid, TP 2 with sequence parallelism: experts and the shared
+    expert TP-sharded), "pp" (MoE hybrid, PP 2, 1F1B over the micro-batches) or "ep" (MoE hybrid, EP 2, each rank
+    half the batch): max |Δ| of losses and gradients against one process."""
     model = hybrid_model(moe=mode != "tp")
     microbatches = [_batch(512, batch=4, seed=100 + i) for i in range(num_microbatches)]
     ref = _build(model, ParallelConfig())
@@ -95,6 +96,7 @@ def hybrid_worker(rank: int, world: int, mode: str, num_microbatches: int = 2) -
 
     parallel = {
         "tp": ParallelConfig(tensor_model_parallel_size=2),
+        "tpsp": ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
         "pp": ParallelConfig(pipeline_model_parallel_size=2),
         "ep": ParallelConfig(expert_model_parallel_size=2),
     }[mode]

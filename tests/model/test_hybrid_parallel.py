@@ -1,4 +1,5 @@
-"""A tiny hybrid (Gated DeltaNet + gated attention, MoE with a gated shared expert) under TP 2, PP 2 and EP 2 over
+"""A tiny hybrid (Gated DeltaNet + gated attention, MoE with a gated shared expert) under TP 2 (dense; and MoE with
+sequence parallelism), PP 2 and EP 2 over
 gloo with 2 real processes equals the single-process model: losses and every gradient."""
 
 import pytest
@@ -8,7 +9,7 @@ from helpers import distributed, hybrid_workers
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("mode", ["tp", "pp", "ep"])
+@pytest.mark.parametrize("mode", ["tp", "tpsp", "pp", "ep"])
 def test_hybrid_parallel_equals_one_process(tmp_path, mode):
     results = distributed.run(hybrid_workers.hybrid_worker, 2, tmp_path, mode, 2)
     for r in results:
