@@ -31,6 +31,7 @@ CASES = [
     ("15a2b-moe", "g1-elementwise", 64, 2, 2, 0, 8),
     ("15a2b-moe", "g1-elementwise", 128, 1, 4, 0, 16),
     ("tiny-hybrid", "g1-elementwise", 8, 1, 2, 0, 2),  # GDN layers on both stages, a gated shared expert, EP
+    ("tiny-hybrid", "g1-elementwise", 8, 2, 2, 2, 1),  # VPP: each chunk one layer of GGG* (stage 1 chunk 1: attention)
 ]
 
 
