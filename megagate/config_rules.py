@@ -15,6 +15,7 @@ from megagate.distributed import layout as layout_rules
 from megagate.errors import ConfigError
 from megagate.machine import Machine
 from megagate.model.gate_params import check_gate_tensor_parallel
+from megagate.model.hybrid import check_gdn_parallel
 from megagate.model.qkv_layout import check_tensor_parallel
 from megagate.perf import resolve_perf
 from megagate.perf_rules import check_perf
@@ -62,6 +63,7 @@ def check_rules(cfg: TrainConfig) -> None:
     check_gate_tensor_parallel(
         m.gate, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim, p.tensor_model_parallel_size
     )
+    check_gdn_parallel(m, p.tensor_model_parallel_size, p.context_parallel_size)
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
     chunks = pp * (vpp or 1)
     if m.num_layers % chunks:

@@ -28,7 +28,9 @@ def format_table(diags: Sequence[D.LayerDiagnostics]) -> str:
     """Per-layer rows plus a model row (F-Attn and gate score averaged, M-Act and max logit the maximum)."""
 
     def f(x: float | None, spec: str) -> str:
-        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+        # -inf: no attention logit was seen (a hybrid's Gated DeltaNet layer has none)
+        missing = x is None or (isinstance(x, float) and (math.isnan(x) or x == -math.inf))
+        return "-" if missing else format(x, spec)
 
     header = ["layer", "gate_score", "sparsity(<0.1)", "F-Attn", "M-Act", "max_logit"]
     rows = [

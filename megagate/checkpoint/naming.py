@@ -89,6 +89,16 @@ ARCHITECTURE_FIELDS = (
     "moe_router_topk",
     "moe_ffn_hidden_size",
 )
+HYBRID_FIELDS = (
+    "layer_pattern",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
+)
 
 
 def architecture(cfg: TrainConfig) -> dict[str, Any]:
@@ -96,6 +106,11 @@ def architecture(cfg: TrainConfig) -> dict[str, Any]:
     m = cfg.model
     arch: dict[str, Any] = {f"model.{name}": getattr(m, name) for name in ARCHITECTURE_FIELDS}
     arch["model.ffn_hidden_size (built)"] = m.effective_ffn_hidden_size
+    # hybrid and shared-expert fields only where set: a record written before they existed stays equal
+    defaults = type(m).__dataclass_fields__
+    for name in HYBRID_FIELDS:
+        if getattr(m, name) != defaults[name].default:
+            arch[f"model.{name}"] = getattr(m, name)
     for f in dataclasses.fields(m.gate):
         arch[f"model.gate.{f.name}"] = getattr(m.gate, f.name)
     return arch

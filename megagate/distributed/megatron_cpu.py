@@ -66,6 +66,8 @@ PATCHED_MODULES = (
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.transformer.moe.shared_experts",
     "megatron.core.transformer.moe.moe_logging",
+    "megatron.core.ssm.gated_delta_net.common",
+    "megatron.core.ssm.gated_delta_net.gdn",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.distrib_optimizer",

@@ -27,6 +27,7 @@ from typing import Any
 from megagate.errors import ConfigError
 from megagate.interop import hf_rope
 from megagate.model import gate as gates
+from megagate.model import hybrid
 from megagate.model.model_config import ModelConfig
 
 FORMATS = ("qwen3", "qwen3_moe", "qwen3_next", "paper")
@@ -69,6 +70,13 @@ def _problem(model: ModelConfig, fmt: str) -> str | None:
         return "model.num_experts=0: the qwen3_moe format holds MoE models (use qwen3 for dense)"
     if model.normalization != "RMSNorm":
         return f"model.normalization={model.normalization!r}: the {fmt} format uses RMSNorm"
+    if hybrid.is_hybrid(model) and fmt != "qwen3_next":
+        return f"model.layer_pattern={model.layer_pattern!r}: the {fmt} format has no Gated DeltaNet layers"
+    shared = model.moe_shared_expert_intermediate_size
+    if shared and fmt != "qwen3_next":
+        return f"model.moe_shared_expert_intermediate_size={shared}: the {fmt} format has no shared expert"
+    if shared and not model.moe_shared_expert_gate:
+        return "model.moe_shared_expert_gate=false: Qwen3-Next's shared expert always has its sigmoid gate"
     if fmt == "qwen3_next" and not model.norm_zero_centered:
         return "model.norm_zero_centered=false: Qwen3-Next's norms are zero-centred (1 + w)"
     if fmt != "qwen3_next" and model.norm_zero_centered:
@@ -171,15 +179,12 @@ def hf_config(model: ModelConfig, fmt: str) -> dict[str, Any]:
                 num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, mlp_only_layers=list(range(layers))
             )
         config.update(
-            shared_expert_intermediate_size=0,  # no shared expert: zero-size tensors whose output is exactly 0
+            # 0 without a shared expert: zero-size tensors whose output is exactly 0 (megagate.interop.hf_weights)
+            shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
             partial_rotary_factor=model.rotary_percent,
-            layer_types=["full_attention"] * layers,
-            # Gated DeltaNet sizes: unused with every layer full attention, written as transformers' defaults
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_num_key_heads=16,
-            linear_num_value_heads=32,
+            layer_types=hybrid.layer_types(model),
+            # Gated DeltaNet sizes (the model's fields: transformers' defaults unless set)
+            **{name: getattr(model, name) for name in hybrid.GDN_FIELDS},
         )
     return config
 
@@ -225,6 +230,22 @@ def _int_theta(theta: Any) -> int:
     return int(theta)
 
 
+def _layer_pattern(config: Mapping[str, Any], fmt: str, layers: int) -> str:
+    """The layer pattern of config.json's `layer_types` (Qwen3-Next without one: its `full_attention_interval`,
+    default 4, as transformers reads it); Gated DeltaNet layers only in qwen3_next."""
+    if "layer_types" in config:
+        pattern = hybrid.pattern_from_layer_types(list(config["layer_types"]))
+        if len(pattern) != layers:
+            raise ConfigError(f"config.json layer_types has {len(pattern)} entries, num_hidden_layers is {layers}")
+    elif fmt == "qwen3_next":
+        pattern = hybrid.interval_pattern(layers, int(config.get("full_attention_interval", 4)))
+    else:
+        pattern = hybrid.ATTENTION * layers
+    if hybrid.GDN in pattern and fmt != "qwen3_next":
+        raise ConfigError(f"config.json layer_types has ['linear_attention']: the {fmt} format has no such layers")
+    return pattern
+
+
 def model_config_from_hf(config: Mapping[str, Any]) -> tuple[ModelConfig, str]:
     """The megagate ModelConfig of a config.json, and its format; a one-line ConfigError for what megagate cannot
     hold exactly. Dense models get match_baseline_params=False (intermediate_size is the FFN width built)."""
@@ -235,9 +256,7 @@ def model_config_from_hf(config: Mapping[str, Any]) -> tuple[ModelConfig, str]:
     _refuse(config, "qkv_bias", False, "no biases")
     _refuse(config, "use_sliding_window", False, "full attention only")
     _refuse(config, "attention_dropout", 0.0, "no attention dropout")
-    if "layer_types" in config and list(config["layer_types"]) != ["full_attention"] * layers:
-        kinds = sorted(set(config["layer_types"]) - {"full_attention"})
-        raise ConfigError(f"config.json layer_types has {kinds}: megagate holds full-attention layers only")
+    pattern = _layer_pattern(config, fmt, layers)
     values: dict[str, Any] = dict(
         num_layers=layers,
         hidden_size=_required(config, "hidden_size"),
@@ -272,7 +291,9 @@ def model_config_from_hf(config: Mapping[str, Any]) -> tuple[ModelConfig, str]:
             norm_zero_centered=True,
             rotary_percent=float(config.get("partial_rotary_factor", 0.25)),
         )
-        _refuse(config, "shared_expert_intermediate_size", 0, "no shared expert")
+        if hybrid.GDN in pattern:
+            values["layer_pattern"] = pattern
+            values.update({name: int(_required(config, name)) for name in hybrid.GDN_FIELDS})
     if fmt in ("qwen3_moe", "qwen3_next"):
         experts = int(config.get("num_experts", 0) or 0)
         mlp_only = list(config.get("mlp_only_layers") or [])
@@ -292,6 +313,9 @@ def model_config_from_hf(config: Mapping[str, Any]) -> tuple[ModelConfig, str]:
                 moe_router_norm_topk=bool(config.get("norm_topk_prob", fmt == "qwen3_next")),
                 moe_aux_loss_coeff=float(config.get("router_aux_loss_coef", 1e-3)),
             )
+            shared = int(config.get("shared_expert_intermediate_size", 0) or 0) if fmt == "qwen3_next" else 0
+            if shared:  # Qwen3-Next's shared expert always has its sigmoid gate
+                values.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
     model = ModelConfig(**values)
     check_exportable(model, fmt)
     return model, fmt

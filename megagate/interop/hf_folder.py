@@ -156,6 +156,16 @@ def read_hf_folder(hf_dir: str | os.PathLike, fmt: str | None = None) -> tuple[A
             tensors.update(load_file(str(file)))
         except (SafetensorError, OSError, ValueError) as exc:
             raise MegagateError(f"{file}: not a readable safetensors file ({exc})") from None
+    mtp = sorted(k for k in tensors if k.startswith("mtp.")) if detected == "qwen3_next" else []
+    if mtp:
+        # the released Qwen3-Next checkpoints carry a multi-token-prediction head that transformers does not build
+        # either; megagate trains the main model only, and an export of it has no mtp.* tensors
+        from megagate.console import warn
+
+        warn(
+            f"{folder}: dropped {len(mtp)} mtp.* tensors (Qwen3-Next's MTP head, not built by megagate or transformers)"
+        )
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
     state = hf.from_hf_state_dict(model_cfg, detected, tensors)
     return model_cfg, detected, state
 

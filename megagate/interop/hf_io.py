@@ -91,7 +91,7 @@ def export_checkpoint(
     tensors = hf.to_hf_state_dict(cfg.model, fmt, model_state(model))
     config = dict(hf.hf_config(cfg.model, fmt))
     config["torch_dtype"] = dtype
-    if fmt == "qwen3_next":
+    if fmt == "qwen3_next" and "linear_attention" not in config["layer_types"]:
         # transformers 4.57.3's Qwen3NextDynamicCache looks up the last linear-attention layer and fails when every
         # layer is full attention: such a folder must run without a KV cache (forward and generate), by default
         config["use_cache"] = False

@@ -33,8 +33,9 @@ import torch
 from torch import Tensor
 
 from megagate.errors import ConfigError
+from megagate.interop import hf_hybrid
 from megagate.interop.hf_config import check_exportable, gate_name
-from megagate.model import qkv_layout
+from megagate.model import hybrid, qkv_layout
 from megagate.model.model_config import ModelConfig
 
 Shape = tuple[int, ...]
@@ -57,18 +58,22 @@ def megatron_shapes(model: ModelConfig) -> dict[str, Shape]:
     h, v, d = model.hidden_size, model.vocab_size, model.head_dim
     shapes: dict[str, Shape] = {"embedding.word_embeddings.weight": (v, h)}
     qkv_rows, _ = _qkv_rows(model, "")
+    for i in _layers(model, hybrid.GDN):
+        shapes.update({f"decoder.layers.{i}.{k}": s for k, s in hf_hybrid.megatron_gdn_shapes(model).items()})
     for i in range(model.num_layers):
         p = f"decoder.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attention.linear_qkv.weight"] = (qkv_rows, h)
-        shapes[p + "self_attention.linear_proj.weight"] = (h, model.num_attention_heads * d)
-        if model.qk_layernorm:
+        if i in _layers(model, hybrid.ATTENTION):
+            shapes[p + "self_attention.linear_qkv.weight"] = (qkv_rows, h)
+            shapes[p + "self_attention.linear_proj.weight"] = (h, model.num_attention_heads * d)
+        if model.qk_layernorm and i in _layers(model, hybrid.ATTENTION):
             shapes[p + "self_attention.q_layernorm.weight"] = (d,)
             shapes[p + "self_attention.k_layernorm.weight"] = (d,)
         shapes[p + "pre_mlp_layernorm.weight"] = (h,)
         if model.is_moe:
             f = model.moe_ffn_hidden_size
             shapes[p + "mlp.router.weight"] = (model.num_experts, h)
+            shapes.update({p + k: s for k, s in hf_hybrid.megatron_shared_expert_shapes(model).items()})
             for e in range(model.num_experts):
                 shapes[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (2 * f, h)
                 shapes[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
@@ -82,6 +87,11 @@ def megatron_shapes(model: ModelConfig) -> dict[str, Shape]:
     return shapes
 
 
+def _layers(model: ModelConfig, symbol: str) -> list[int]:
+    """The layers whose mixer is `symbol` (megagate.model.hybrid: gated attention or Gated DeltaNet)."""
+    return [i for i, s in enumerate(hybrid.pattern(model)) if s == symbol]
+
+
 def _mlp_pairs(mg: str, hf: str) -> list[tuple[str, str]]:
     return [(mg + "linear_fc2.weight", hf + "down_proj.weight")]
 
@@ -93,16 +103,20 @@ def _direct_pairs(model: ModelConfig) -> list[tuple[str, str]]:
         p, q = f"decoder.layers.{i}.", f"model.layers.{i}."
         pairs += [
             (p + "input_layernorm.weight", q + "input_layernorm.weight"),
-            (p + "self_attention.linear_proj.weight", q + "self_attn.o_proj.weight"),
             (p + "pre_mlp_layernorm.weight", q + "post_attention_layernorm.weight"),
         ]
-        if model.qk_layernorm:
+        if i in _layers(model, hybrid.GDN):
+            pairs += [(p + mg, q + hf) for mg, hf in hf_hybrid.gdn_direct_pairs()]
+        else:
+            pairs.append((p + "self_attention.linear_proj.weight", q + "self_attn.o_proj.weight"))
+        if model.qk_layernorm and i in _layers(model, hybrid.ATTENTION):
             pairs += [
                 (p + "self_attention.q_layernorm.weight", q + "self_attn.q_norm.weight"),
                 (p + "self_attention.k_layernorm.weight", q + "self_attn.k_norm.weight"),
             ]
         if model.is_moe:
             pairs.append((p + "mlp.router.weight", q + "mlp.gate.weight"))
+            pairs += [(p + mg, q + hf) for mg, hf in hf_hybrid.shared_expert_direct_pairs(model)]
             for e in range(model.num_experts):
                 pairs += _mlp_pairs(p + f"mlp.experts.local_experts.{e}.", q + f"mlp.experts.{e}.")
         else:
@@ -121,13 +135,16 @@ def _fc1_pairs(model: ModelConfig) -> list[tuple[str, str]]:
         if model.is_moe:
             for e in range(model.num_experts):
                 pairs.append((p + f"mlp.experts.local_experts.{e}.linear_fc1.weight", q + f"mlp.experts.{e}."))
+            if model.moe_shared_expert_intermediate_size:
+                pairs.append((p + "mlp.shared_experts.linear_fc1.weight", q + "mlp.shared_expert."))
         else:
             pairs.append((p + "mlp.linear_fc1.weight", q + "mlp."))
     return pairs
 
 
 def _shared_expert_shapes(model: ModelConfig, fmt: str) -> dict[str, Shape]:
-    if fmt != "qwen3_next" or not model.is_moe:
+    """Qwen3-Next's zero-size shared expert of a MoE model without one (see the module docstring)."""
+    if fmt != "qwen3_next" or not model.is_moe or model.moe_shared_expert_intermediate_size:
         return {}
     h, shapes = model.hidden_size, {}
     for i in range(model.num_layers):
@@ -146,7 +163,9 @@ def hf_shapes(model: ModelConfig, fmt: str) -> dict[str, Shape]:
     shapes = {hf: mg[key] for key, hf in _direct_pairs(model)}
     _, q_rows = _qkv_rows(model, fmt)
     kv = (model.num_query_groups * model.head_dim, model.hidden_size)
-    for i in range(model.num_layers):
+    for i in _layers(model, hybrid.GDN):
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in hf_hybrid.hf_gdn_projection_shapes(model).items()})
+    for i in _layers(model, hybrid.ATTENTION):
         q = f"model.layers.{i}.self_attn."
         shapes[q + "q_proj.weight"] = (q_rows, model.hidden_size)
         shapes[q + "k_proj.weight"] = kv
@@ -205,7 +224,11 @@ def to_hf_state_dict(model: ModelConfig, fmt: str, state: Mapping[str, Tensor]) 
     _check_tensors("megagate state", state, megatron_shapes(model))
     out = {hf: _owned(state[key]) for key, hf in _direct_pairs(model)}
     split_qkv, _ = _qkv_converters(model, fmt)
-    for i in range(model.num_layers):
+    for i in _layers(model, hybrid.GDN):
+        qkvz, ba = hf_hybrid.in_proj_to_hf(model, state[f"decoder.layers.{i}.self_attention.in_proj.weight"])
+        out[f"model.layers.{i}.linear_attn.in_proj_qkvz.weight"] = qkvz
+        out[f"model.layers.{i}.linear_attn.in_proj_ba.weight"] = ba
+    for i in _layers(model, hybrid.ATTENTION):
         q_proj, k_proj, v_proj = split_qkv(state[f"decoder.layers.{i}.self_attention.linear_qkv.weight"])
         prefix = f"model.layers.{i}.self_attn."
         out.update(
@@ -239,7 +262,11 @@ def from_hf_state_dict(model: ModelConfig, fmt: str, tensors: Mapping[str, Tenso
             )
     out = {key: _owned(tensors[hf]) for key, hf in _direct_pairs(model)}
     _, fuse_qkv = _qkv_converters(model, fmt)
-    for i in range(model.num_layers):
+    for i in _layers(model, hybrid.GDN):
+        prefix = f"model.layers.{i}.linear_attn."
+        qkvz, ba = tensors[prefix + "in_proj_qkvz.weight"], tensors[prefix + "in_proj_ba.weight"]
+        out[f"decoder.layers.{i}.self_attention.in_proj.weight"] = hf_hybrid.in_proj_from_hf(model, qkvz, ba)
+    for i in _layers(model, hybrid.ATTENTION):
         prefix = f"model.layers.{i}.self_attn."
         q, k, v = (tensors[prefix + f"{name}_proj.weight"] for name in ("q", "k", "v"))
         out[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = _owned(fuse_qkv(q, k, v))

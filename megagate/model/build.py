@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megagate.model import hybrid
 from megagate.model.model_config import ModelConfig, ParallelConfig
 
 
@@ -44,6 +45,16 @@ def transformer_config(
             # normalised; megatron's default softmax over the top-k logits otherwise
             moe_router_pre_softmax=not model.moe_router_norm_topk,
         )
+        if model.moe_shared_expert_intermediate_size:
+            moe.update(
+                moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+                moe_shared_expert_gate=model.moe_shared_expert_gate,
+            )
+    if hybrid.is_hybrid(model):
+        # read by megatron's GatedDeltaNet (megagate.model.gdn); which layers are GDN is the spec's business
+        moe.update({name: getattr(model, name) for name in hybrid.GDN_FIELDS})
+        # layers of two kinds cannot be stacked along one layer axis in a distributed checkpoint: one key per layer
+        moe.update(hetereogenous_dist_checkpoint=True)
     kwargs: dict[str, Any] = dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -118,6 +129,9 @@ def build_gpt_model(
     from megagate.model.rotary import fit_rotary
     from megagate.model.spec import gated_decoder_block_spec
 
+    hybrid.check_gdn_parallel(
+        model, parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size()
+    )
     block = gated_decoder_block_spec(
         config,
         model.gate,
@@ -125,6 +139,7 @@ def build_gpt_model(
         vp_stage=vp_stage,
         tp_size=parallel_state.get_tensor_model_parallel_world_size(),
         core_attention=core_attention,
+        pattern=model.layer_pattern,
     )
     gpt = GPTModel(
         config=config,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from megagate.model import hybrid
 from megagate.model.gate_params import gate_parameter_count
 from megagate.model.model_config import ModelConfig
 
 
 def parameter_counts(model: ModelConfig) -> dict[str, int]:
-    """Analytic parameter counts: total, active per token (MoE), and the gate's share."""
+    """Analytic parameter counts: total, active per token (MoE), and the gate's share; a hybrid's attention and
+    gate in its attention layers, Gated DeltaNet mixers in the others."""
     h, n, g, d, layers = (
         model.hidden_size,
         model.num_attention_heads,
@@ -21,14 +23,17 @@ def parameter_counts(model: ModelConfig) -> dict[str, int]:
     if model.is_moe:
         expert = 3 * h * model.moe_ffn_hidden_size
         router = model.num_experts * h
-        mlp_total, mlp_active = router + model.num_experts * expert, router + model.moe_router_topk * expert
+        shared = hybrid.shared_expert_parameter_count(model)
+        mlp_total = router + model.num_experts * expert + shared
+        mlp_active = router + model.moe_router_topk * expert + shared
     else:
         mlp_total = mlp_active = 3 * h * model.effective_ffn_hidden_size
     embeddings = model.vocab_size * h * (1 if model.tie_embeddings else 2)
-    per_layer_fixed = attention + gate + norms
-    total = embeddings + layers * (per_layer_fixed + mlp_total) + h  # + final norm
-    active = embeddings + layers * (per_layer_fixed + mlp_active) + h
-    return {"total": total, "active": active, "gate": layers * gate, "embedding": embeddings}
+    attn_layers = hybrid.attention_layers(model)
+    mixers = attn_layers * (attention + gate) + (layers - attn_layers) * hybrid.gdn_parameter_count(model)
+    total = embeddings + mixers + layers * (norms + mlp_total) + h  # + final norm
+    active = embeddings + mixers + layers * (norms + mlp_active) + h
+    return {"total": total, "active": active, "gate": attn_layers * gate, "embedding": embeddings}
 
 
 def flops_per_token(model: ModelConfig, seq_length: int) -> int:
@@ -36,6 +41,15 @@ def flops_per_token(model: ModelConfig, seq_length: int) -> int:
     counts = parameter_counts(model)
     dense_params = counts["active"] - model.vocab_size * model.hidden_size * (0 if model.tie_embeddings else 1)
     attention_scores = (
-        2 * model.num_layers * seq_length * model.num_attention_heads * model.head_dim
+        2 * hybrid.attention_layers(model) * seq_length * model.num_attention_heads * model.head_dim
     )  # QK^T and AV, causal
-    return 3 * (2 * dense_params + attention_scores)
+    gdn_layers = model.num_layers - hybrid.attention_layers(model)
+    return 3 * (2 * dense_params + attention_scores + gdn_layers * gdn_mixing_flops(model))
+
+
+def gdn_mixing_flops(model: ModelConfig, chunk: int = 64) -> int:
+    """Forward FLOPs per token of one Gated DeltaNet layer's delta rule (the projections are parameters): per value
+    head, the causal products within a chunk (≈ chunk·(dk + dv)) and the state's three dk×dv products (read by q,
+    read by k, updated)."""
+    dk, dv = model.linear_key_head_dim, model.linear_value_head_dim
+    return model.linear_num_value_heads * (chunk * (dk + dv) + 6 * dk * dv)

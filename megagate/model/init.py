@@ -42,17 +42,27 @@ class Rule:
 
     what: str
     pattern: re.Pattern[str]
-    init: str  # zeros | ones | normal (σ) | normal_scaled (σ/√(2L))
+    init: str  # zeros | ones | normal (σ) | normal_scaled (σ/√(2L)) | log_uniform_1_16 (log U(1, 16))
 
 
 RULES: tuple[Rule, ...] = (
     Rule("bias", re.compile(r"(^|\.)(layer_norm_)?bias$"), "zeros"),
     # local norms (input_layernorm, pre_mlp_layernorm, q/k_layernorm, final_layernorm, sandwich `*_bda.norm`) and
     # the norm fused into TE's LayerNormLinear (`layer_norm_weight`)
+    # Qwen3-Next's gated output norm of a Gated DeltaNet layer is plain (w) in every model (megagate.model.gdn)
+    Rule("GDN output norm weight", re.compile(r"\.out_norm\.weight$"), "ones"),
     Rule("norm weight", re.compile(r"(layernorm\.weight|\.norm\.weight|\.layer_norm_weight)$"), "ones"),
     Rule("sublayer output projection", re.compile(r"\.(linear_proj|linear_fc2)\.weight$"), "normal_scaled"),
     Rule("input projection", re.compile(r"\.(linear_qkv|linear_fc1)\.weight$"), "normal"),
     Rule("MoE router", re.compile(r"\.router\.weight$"), "normal"),
+    Rule("shared expert gate", re.compile(r"\.shared_experts\.gate_weight$"), "normal"),
+    # Gated DeltaNet (megatron's initialisation: A = U(1, 16), dt_bias 1; the conv like the projections, as
+    # transformers initialises Qwen3-Next's)
+    Rule("GDN input projection", re.compile(r"\.in_proj\.weight$"), "normal"),
+    Rule("GDN output projection", re.compile(r"\.out_proj\.weight$"), "normal_scaled"),
+    Rule("GDN conv", re.compile(r"\.conv1d\.weight$"), "normal"),
+    Rule("GDN dt bias", re.compile(r"\.dt_bias$"), "ones"),
+    Rule("GDN decay", re.compile(r"\.A_log$"), "log_uniform_1_16"),
     Rule("embedding / output layer", re.compile(r"^(embedding\.word_embeddings|output_layer)\.weight$"), "normal"),
 )
 
@@ -125,10 +135,34 @@ def _full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _shard(full: torch.Tensor, name: str, param: torch.Tensor, rank: int, size: int, glu: bool) -> torch.Tensor:
+def _gdn_sections(chunk: torch.nn.Module) -> dict[str, list[int]]:
+    """{parameter name: its full rows' sections} for the Gated DeltaNet tensors whose TP shard is a slice of each
+    section (in_proj: q, k, v, z, beta, alpha; conv1d: q, k, v), not one slice of the whole."""
+    from megagate.model.gdn import GatedDeltaNet
+
+    sections = {}
+    for prefix, module in chunk.named_modules():
+        if isinstance(module, GatedDeltaNet):
+            tp = module.tp_size
+            sections[f"{prefix}.in_proj.weight"] = [s * tp for s in module.in_proj_split_sections]
+            sections[f"{prefix}.conv1d.weight"] = [module.qk_dim, module.qk_dim, module.v_dim]
+    return sections
+
+
+def _shard(
+    full: torch.Tensor,
+    name: str,
+    param: torch.Tensor,
+    rank: int,
+    size: int,
+    glu: bool,
+    sections: list[int] | None = None,
+) -> torch.Tensor:
     """This rank's part of a full tensor, following megatron's tensor-parallel attributes."""
     if not getattr(param, "tensor_model_parallel", False) or size == 1:
         return full
+    if sections is not None:
+        return torch.cat([part.chunk(size, 0)[rank] for part in full.split(sections, dim=0)])
     if glu and name.endswith("linear_fc1.weight"):  # SwiGLU fc1 = [gate; up], each sharded separately
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]])
@@ -141,6 +175,8 @@ def _draw(init: str, name: str, shape: tuple[int, ...], seed: int, std: float, n
     if init == "ones":
         return torch.ones(shape)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if init == "log_uniform_1_16":
+        return torch.log(torch.rand(shape, generator=generator) * 15.0 + 1.0)
     scale = std / math.sqrt(2.0 * num_layers) if init == "normal_scaled" else std
     return torch.randn(shape, generator=generator) * scale
 
@@ -178,6 +214,7 @@ def initialize(model_chunks: list[torch.nn.Module], seed: int, std: float, num_l
     count = 0
     for chunk in model_chunks:
         gate_entries = _gate_entries(chunk)
+        sections = _gdn_sections(chunk)
         zero_centered = bool(getattr(getattr(chunk, "config", None), "layernorm_zero_centered_gamma", False))
         for name, param in chunk.named_parameters():
             # expert weights are sharded over the expert-tensor-parallel group, the others over TP
@@ -186,6 +223,6 @@ def initialize(model_chunks: list[torch.nn.Module], seed: int, std: float, num_l
             shape = _full_shape(param, size)
             full = initial_value(global_name, shape, seed, std, num_layers, gate_entries.get(name), zero_centered)
             # the global name decides the SwiGLU split: TE's `linear_fc1.weight<i>` is a SwiGLU fc1 too
-            param.copy_(_shard(full, global_name, param, rank, size, glu).to(param.dtype))
+            param.copy_(_shard(full, global_name, param, rank, size, glu, sections.get(name)).to(param.dtype))
             count += 1
     return count

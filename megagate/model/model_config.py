@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megagate.errors import ConfigError
-from megagate.model import position
+from megagate.model import hybrid, position
 from megagate.model.gate import GateConfig
 from megagate.model.gate_params import gate_parameter_count
 
@@ -75,6 +75,18 @@ class ModelConfig:
     # to 1 (megatron's default; HF norm_topk_prob=True); False = softmax over all experts, then top-k (megatron's
     # moe_router_pre_softmax; HF norm_topk_prob=False).
     moe_router_norm_topk: bool = True
+    # A shared expert in every MoE layer (megatron's moe_shared_expert_intermediate_size, 0: none), its output
+    # scaled per token by sigmoid(x . w) when moe_shared_expert_gate (Qwen3-Next's shared_expert_gate)
+    moe_shared_expert_intermediate_size: int = 0
+    moe_shared_expert_gate: bool = False
+    # Hybrids (megagate.model.hybrid): one symbol per layer, "*" gated attention, "G" Gated DeltaNet; None = all
+    # attention. The linear_* sizes (megatron's and Hugging Face's names) shape the GDN layers only.
+    layer_pattern: str | None = None
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
     # Dense gated models: shrink the FFN to the baseline's parameter count
     match_baseline_params: bool = True
     ffn_multiple: int = 64
@@ -104,6 +116,8 @@ class ModelConfig:
                 f"model.num_attention_heads ({self.num_attention_heads}) must be divisible by "
                 f"model.num_query_groups ({self.num_query_groups})"
             )
+        hybrid.check_pattern(self)
+        check_shared_expert(self)
         check_recompute(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
         check_position_embedding(self)
         if self.normalization not in ("RMSNorm", "LayerNorm"):
@@ -133,12 +147,11 @@ class ModelConfig:
         """The dense FFN width actually built: shrunk for gated dense models when match_baseline_params is set."""
         if self.is_moe or not self.match_baseline_params:
             return self.ffn_hidden_size
-        added = (
-            gate_parameter_count(
-                self.gate, self.hidden_size, self.num_attention_heads, self.num_query_groups, self.head_dim
-            )
-            + self.sandwich_norm_params
+        gate = gate_parameter_count(
+            self.gate, self.hidden_size, self.num_attention_heads, self.num_query_groups, self.head_dim
         )
+        # a hybrid's gate sits in its attention layers only: the one FFN width absorbs the per-layer average
+        added = gate * hybrid.attention_layers(self) // self.num_layers + self.sandwich_norm_params
         return matched_ffn_width(self.ffn_hidden_size, self.hidden_size, added, self.ffn_multiple)
 
     @property
@@ -160,6 +173,19 @@ class ModelConfig:
         (every slow rotary dim kept to the angles seen within the context the scaling starts from; YaRN by s from
         L reaches s·L; see megagate.model.position)."""
         return position.context_length(self)
+
+
+def check_shared_expert(m: ModelConfig) -> None:
+    """The shared-expert fields as one-line ConfigErrors (they need MoE)."""
+    size = m.moe_shared_expert_intermediate_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ConfigError(f"model.moe_shared_expert_intermediate_size={size!r} must be an integer >= 0")
+    if not isinstance(m.moe_shared_expert_gate, bool):
+        raise ConfigError(f"model.moe_shared_expert_gate={m.moe_shared_expert_gate!r} must be true or false")
+    if size and not m.num_experts:
+        raise ConfigError(f"model.moe_shared_expert_intermediate_size={size}: a shared expert needs num_experts > 0")
+    if m.moe_shared_expert_gate and not size:
+        raise ConfigError("model.moe_shared_expert_gate=true needs model.moe_shared_expert_intermediate_size > 0")
 
 
 RECOMPUTE_GRANULARITIES = ("selective", "full")

@@ -48,6 +48,34 @@ PRESETS: dict[str, dict[str, Any]] = {
         moe_router_topk=8,
         moe_ffn_hidden_size=768,
     ),
+    # Qwen3-Next-80B-A3B's published shapes (its config.json; gate g1-elementwise, as the model has it): Gated
+    # DeltaNet in three layers of four, 512 experts (top 10) with a gated shared expert. The MTP head is not built.
+    # 79.67 B parameters, 3.87 B active per token (3.25 B without the two embeddings; published "80B, A3B").
+    "qwen3-next-80b-a3b": dict(
+        num_layers=48,
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_query_groups=2,
+        head_dim=256,
+        ffn_hidden_size=5120,
+        vocab_size=QWEN_VOCAB,
+        max_sequence_length=262_144,
+        tie_embeddings=False,
+        rotary_base=10_000_000,
+        rotary_percent=0.25,
+        norm_zero_centered=True,
+        num_experts=512,
+        moe_router_topk=10,
+        moe_ffn_hidden_size=512,
+        moe_shared_expert_intermediate_size=512,
+        moe_shared_expert_gate=True,
+        layer_pattern="GGG*" * 12,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+    ),
     # Tiny models for CPU tests and the demo.
     "tiny": dict(
         num_layers=2,
@@ -78,6 +106,32 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts=4,
         moe_router_topk=2,
         moe_ffn_hidden_size=64,
+    ),
+    # A tiny Qwen3-Next-shaped hybrid (examples/hybrid_cpu.yaml): GGG* (3 GDN : 1 attention), MoE with a gated shared
+    # expert, zero-centred norms, partial rotary
+    "tiny-hybrid": dict(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        ffn_hidden_size=64,
+        vocab_size=512,
+        max_sequence_length=128,
+        rotary_base=10_000,
+        rotary_percent=0.5,
+        norm_zero_centered=True,
+        tie_embeddings=False,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+        moe_shared_expert_intermediate_size=64,
+        moe_shared_expert_gate=True,
+        layer_pattern="GGG*",
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
     ),
 }
 

@@ -148,6 +148,33 @@ def gate_layer(
     return spec
 
 
+def gdn_layer(layer_spec: ModuleSpec, backend: str) -> ModuleSpec:
+    """A gated layer spec (from `gate_layer`) with megatron's Gated DeltaNet as its mixer (megagate.model.gdn); the
+    layer's input norm is its own module (TE's spec fuses it into linear_qkv, which a GDN layer has not)."""
+    from megagate.model.gdn import gdn_mixer_spec
+
+    spec = copy.copy(layer_spec)
+    spec.submodules = copy.copy(layer_spec.submodules)
+    spec.submodules.self_attention = gdn_mixer_spec(backend)
+    if backend == "te":
+        spec.submodules.input_layernorm = _norm_builder(spec, backend)
+    return spec
+
+
+def _global_layer_ids(config: TransformerConfig, vp_stage: int | None, pp_rank: int | None, count: int) -> list[int]:
+    """The 0-based model-wide indices of this stage's `count` layers, as megatron's block spec slices them."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if config.pipeline_model_parallel_layout is not None:
+        ids = config.pipeline_model_parallel_layout.get_layer_id_list(
+            layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank
+        )
+        return list(ids)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return list(range(offset, offset + count))
+
+
 def gated_decoder_block_spec(
     config: TransformerConfig,
     gate: GateConfig,
@@ -156,9 +183,11 @@ def gated_decoder_block_spec(
     pp_rank: int | None = None,
     tp_size: int = 1,
     core_attention: str = "auto",
+    pattern: str | None = None,
 ) -> TransformerBlockSubmodules:
     """megatron's GPT decoder block spec (this pipeline stage's layers) with gated attention in every layer, its
-    core attention chosen by `core_attention` (see `resolve_core_attention`)."""
+    core attention chosen by `core_attention` (see `resolve_core_attention`); with a layer `pattern`
+    (megagate.model.hybrid), the layers marked "G" mix with Gated DeltaNet instead."""
     check_backend(backend)
     resolve_core_attention(backend, core_attention)
     check_gate_compatible(config, gate, tp_size)
@@ -170,6 +199,11 @@ def gated_decoder_block_spec(
         pp_rank=pp_rank,
     )
     block.layer_specs = [gate_layer(layer, gate, config, backend, core_attention) for layer in block.layer_specs]
+    if pattern is not None and "G" in pattern:
+        ids = _global_layer_ids(config, vp_stage, pp_rank, len(block.layer_specs))
+        block.layer_specs = [
+            gdn_layer(layer, backend) if pattern[i] == "G" else layer for layer, i in zip(block.layer_specs, ids)
+        ]
     if config.layernorm_zero_centered_gamma and backend != "te":
         block.layer_norm = _local_norms_zero_centered(block.layer_norm)  # the final norm
     return block

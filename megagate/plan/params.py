@@ -24,6 +24,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
+from megagate.model import hybrid
 from megagate.model.gate_params import gate_parameters
 from megagate.model.model_config import ModelConfig
 
@@ -60,12 +61,39 @@ class RankShape:
         return self.vpp or 1
 
 
-def layer_params(model: ModelConfig, tp: int, ep: int, prefix: str = "") -> list[Param]:
-    """One transformer layer's parameters on a TP/EP rank, in the order megatron's local spec registers them."""
+def _gdn_params(model: ModelConfig, tp: int, prefix: str) -> list[Param]:
+    """A Gated DeltaNet mixer's parameters (megatron's GatedDeltaNet: its own tensors, then in_proj, conv1d, the
+    output norm, out_proj), sharded over TP by heads."""
+    h, nv = model.hidden_size, model.linear_num_value_heads
+    qk = model.linear_num_key_heads * model.linear_key_head_dim
+    v = nv * model.linear_value_head_dim
+    p = prefix + "self_attention."
+    return [
+        Param(p + "dt_bias", nv // tp),
+        Param(p + "A_log", nv // tp),
+        Param(p + "in_proj.weight", (2 * qk + 2 * v + 2 * nv) * h // tp),
+        Param(p + "conv1d.weight", (2 * qk + v) * model.linear_conv_kernel_dim // tp),
+        Param(p + "out_norm.weight", model.linear_value_head_dim),
+        Param(p + "out_proj.weight", v * h // tp),
+    ]
+
+
+def layer_params(model: ModelConfig, tp: int, ep: int, prefix: str = "", mixer: str = "*") -> list[Param]:
+    """One transformer layer's parameters on a TP/EP rank, in the order megatron's local spec registers them;
+    `mixer` "G": a Gated DeltaNet layer of a hybrid (megagate.model.hybrid)."""
+    out: list[Param] = [Param(prefix + "input_layernorm.weight", model.hidden_size)]
+    if mixer == "G":
+        out += _gdn_params(model, tp, prefix)
+    else:
+        out += _attention_params(model, tp, prefix)
+    return out + _mlp_params(model, tp, ep, prefix)
+
+
+def _attention_params(model: ModelConfig, tp: int, prefix: str) -> list[Param]:
     h, n, g, d = model.hidden_size, model.num_attention_heads, model.num_query_groups, model.head_dim
     gate_entries = gate_parameters(model.gate, h, n, g, d)
     qkv_extra = sum(e.numel for e in gate_entries if e.in_linear_qkv)  # fused gate rows (sharded with q/k/v)
-    out: list[Param] = [Param(prefix + "input_layernorm.weight", h)]
+    out: list[Param] = []
     # GatedSelfAttention registers its own gate parameters before megatron's attention builds linear_proj
     for e in gate_entries:
         if not e.in_linear_qkv:
@@ -77,6 +105,12 @@ def layer_params(model: ModelConfig, tp: int, ep: int, prefix: str = "") -> list
             Param(prefix + "self_attention.q_layernorm.weight", d),
             Param(prefix + "self_attention.k_layernorm.weight", d),
         ]
+    return out
+
+
+def _mlp_params(model: ModelConfig, tp: int, ep: int, prefix: str) -> list[Param]:
+    h = model.hidden_size
+    out: list[Param] = []
     if model.gate.sandwich_norm:
         out.append(Param(prefix + "self_attn_bda.norm.weight", h))
     out.append(Param(prefix + "pre_mlp_layernorm.weight", h))
@@ -88,6 +122,12 @@ def layer_params(model: ModelConfig, tp: int, ep: int, prefix: str = "") -> list
             base = f"{prefix}mlp.experts.local_experts.{i}."
             out.append(Param(base + "linear_fc1.weight", 2 * f * h // tp, expert=expert))
             out.append(Param(base + "linear_fc2.weight", h * f // tp, expert=expert))
+        shared = model.moe_shared_expert_intermediate_size
+        if shared:  # SharedExpertMLP: its gate weight (replicated), then its SwiGLU (TP-sharded like a dense MLP)
+            if model.moe_shared_expert_gate:
+                out.append(Param(prefix + "mlp.shared_experts.gate_weight", h))
+            out.append(Param(prefix + "mlp.shared_experts.linear_fc1.weight", 2 * shared * h // tp))
+            out.append(Param(prefix + "mlp.shared_experts.linear_fc2.weight", h * shared // tp))
     else:
         f = model.effective_ffn_hidden_size
         out.append(Param(prefix + "mlp.linear_fc1.weight", 2 * f * h // tp))
@@ -109,8 +149,10 @@ def chunk_params(model: ModelConfig, shape: RankShape, pp_rank: int, chunk: int)
         out.append(
             Param("embedding.word_embeddings.weight", vocab * h, shared_embedding=model.tie_embeddings and not last)
         )
+    pattern = hybrid.pattern(model)
+    offset = (chunk * shape.pp + pp_rank) * layers  # megatron's layer offset of this virtual stage
     for i in range(layers):
-        out += layer_params(model, shape.tp, shape.ep, prefix=f"decoder.layers.{i}.")
+        out += layer_params(model, shape.tp, shape.ep, prefix=f"decoder.layers.{i}.", mixer=pattern[offset + i])
     if last:
         out.append(Param("decoder.final_layernorm.weight", h))
         if not model.tie_embeddings:
@@ -215,7 +257,9 @@ def rank_buffers(
     for chunk in range(shape.chunks):
         groups: dict[tuple[bool, bool], list[Param]] = {}
         for p in chunk_params(model, shape, pp_rank, chunk):
-            groups.setdefault((fp32_norms and p.is_norm, p.expert), []).append(p)
+            # megagate's ZeroCenteredRMSNorm (zero-centred models, local spec) holds params_dtype weights
+            fp32 = fp32_norms and p.is_norm and not model.norm_zero_centered
+            groups.setdefault((fp32, p.expert), []).append(p)
         for (fp32, expert), params in groups.items():
             dp = shape.expert_dp if expert else shape.dp * shape.cp
             out.append(layout_buffer(params, dp, distributed_optimizer, expert=expert, fp32=fp32))

@@ -30,6 +30,8 @@ CASES = [
     ("15a2b-moe", "g1-elementwise", 64, 1, 1, 0, 8),  # the paper's 8x8 layout
     ("15a2b-moe", "g1-elementwise", 64, 2, 2, 0, 8),
     ("15a2b-moe", "g1-elementwise", 128, 1, 4, 0, 16),
+    ("tiny-hybrid", "g1-elementwise", 8, 1, 2, 0, 2),  # GDN layers on both stages, a gated shared expert, EP
+    ("tiny-hybrid", "g1-elementwise", 8, 2, 2, 2, 1),  # VPP: each chunk one layer of GGG* (stage 1 chunk 1: attention)
 ]
 
 
@@ -63,7 +65,8 @@ def test_planner_matches_megatron_meta_build(case: tuple) -> None:
             planned = [[p.name, p.numel, p.expert, p.shared_embedding] for p in chunk_params(model, shape, r, c)]
             assert planned == [p[:4] for p in chunk["params"]], f"stage {r} chunk {c}"
             norms = {p[0] for p in chunk["params"] if p[4] == "torch.float32"}
-            assert norms == {p.name for p in chunk_params(model, shape, r, c) if p.is_norm}
+            fp32 = not model.norm_zero_centered  # megagate's zero-centred norm: params_dtype weights
+            assert norms == {p.name for p in chunk_params(model, shape, r, c) if p.is_norm and fp32}
             for got in chunk["buffers"]:  # megatron's buffer order: groups by their first parameter
                 mine = next(planned_buffers)
                 assert (mine.expert, mine.fp32) == (got["expert"], got["fp32"])
