@@ -55,10 +55,12 @@ def test_model_level_checks(megatron_world):
         ConfigError, match=r"num_attention_heads \(4\) must be divisible by tensor_model_parallel_size \(3\)"
     ):
         check_gate_compatible(config, gates.GateConfig(), tp_size=3)
+    check_gate_compatible(config, gates.GateConfig(), tp_size=4)  # fewer groups than TP: megatron replicates them
+    odd = transformer_config(model_preset("tiny", num_attention_heads=6, num_query_groups=3))
     with pytest.raises(
-        ConfigError, match=r"num_query_groups \(2\) must be divisible by tensor_model_parallel_size \(4\)"
+        ConfigError, match=r"num_query_groups \(3\) must be a multiple or a divisor of tensor_model_parallel_size \(2\)"
     ):
-        check_gate_compatible(config, gates.GateConfig(), tp_size=4)
+        check_gate_compatible(odd, gates.GateConfig(), tp_size=2)
     mla = model_preset("tiny")
     import dataclasses
 
