@@ -30,6 +30,7 @@ from megagate.interop.hf_folder import (
     write_safetensors,
     write_tokenizer,
 )
+from megagate.sections import did_you_mean
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EXPORT_META = "megagate_export.json"
@@ -81,7 +82,7 @@ def export_checkpoint(
     from megagate.model_factory import load_whole_model, read_checkpoint
 
     if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}{did_you_mean(dtype, DTYPES)}")
     shard_bytes = parse_size(max_shard_size)
     known_format(fmt)
     out = check_out(out, force)
