@@ -64,11 +64,7 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value < low:
             raise MegagateError(f"{flag} {value}: must be >= {low}")
-    if args.out is None:
-        from megagate.commands.analyze import default_out
-
-        args.out = default_out(args.checkpoints, "eval")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise MegagateError(f"--out {args.out}: exists and is not a folder")
     lengths = options.parse_lengths(args.seq_lengths)
     rope = options.parse_rope(args.rope)
@@ -83,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
     prepared = [
         core.prepare(c, rope, lengths, None if names is None else names[i]) for i, c in enumerate(args.checkpoints)
     ]
+    if args.out is None:  # the checkpoints are known good now: their run folder
+        from megagate.commands.analyze import default_out
+
+        args.out = default_out(args.checkpoints, "eval")
     world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     dp = core.check_layout(prepared, parallel, world)

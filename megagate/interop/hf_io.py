@@ -9,7 +9,9 @@ to it and renamed when complete, so a failure leaves nothing half-written under 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import shutil
@@ -235,7 +237,9 @@ def _save_once(root: Path, model: torch.nn.Module, meta: Mapping[str, Any]) -> P
     if ours:
         children.install_checkpoint_writer_queue()
     try:
-        return ckpt.Checkpointer(root, keep_last=1).save(0, [model], None, dict(meta))
+        # the checkpointer's "saved checkpoint ..." names the temporary folder; import_hf prints the final one
+        with contextlib.redirect_stdout(io.StringIO()):
+            return ckpt.Checkpointer(root, keep_last=1).save(0, [model], None, dict(meta))
     finally:
         if ours:
             children.shutdown()
