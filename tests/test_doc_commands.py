@@ -131,15 +131,20 @@ CHEAP = re.compile(r"^(variants\b|plan \S+\.yaml|train --config \S+ .*--dry-run|
 
 
 def cheap() -> list[tuple[str, str]]:
-    picked = []
+    """The cheap commands, each once (the first place it appears): `variants --build` (every variant of three
+    models built) is left to tests/test_parameter_counts.py."""
+    picked: dict[str, str] = {}
     for where, argv in COMMANDS:
         tokens = _tokens(argv)
         if not CHEAP.match(argv) or any(t.startswith("[") or t.isupper() or "..." in t for t in tokens):
             continue
         if any(t.endswith(".yaml") and not (ROOT / t).exists() for t in tokens) or "--profile" in tokens:
             continue  # a placeholder config
-        picked.append((where, argv))
-    return picked
+        if any("runs/" in t for t in tokens):
+            continue  # reads what an earlier command of its page wrote
+        if "--build" not in tokens:
+            picked.setdefault(" ".join(tokens), where)
+    return [(where, argv) for argv, where in picked.items()]
 
 
 CHEAP_COMMANDS = cheap()

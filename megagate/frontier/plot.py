@@ -48,7 +48,7 @@ def plot_frontier(state: FrontierState, results: Sequence[Any], path: str | Path
                 if y is not None:
                     ax.scatter([row["lr"]], [y], marker="x", s=40, color=f"C{row['seed'] % 10}", zorder=3)
                     ax.annotate(
-                        row["outcome"][9:], (row["lr"], y), fontsize=6, xytext=(3, 3), textcoords="offset points"
+                        row["outcome"][9:], (row["lr"], y), fontsize=8, xytext=(3, 3), textcoords="offset points"
                     )
         limit = spec.rule.threshold(r.best)
         if limit is not None:
