@@ -9,6 +9,7 @@ XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 env:
 	@bash tools/bootstrap_env.sh >/dev/null
+	@echo "environment ready in .venv; for the README's and docs' commands: source .venv/bin/activate" >&2
 
 demo: env
 	$(PY) -m megagate demo

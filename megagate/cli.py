@@ -10,12 +10,14 @@ import argparse
 import errno
 import importlib
 import os
+import re
 import sys
 import typing
 from types import ModuleType
 
 from megagate import console
 from megagate.errors import MegagateError
+from megagate.sections import did_you_mean
 
 # name -> one-line help; the module is megagate.commands.<name> (or _MODULES[name])
 COMMANDS: dict[str, str] = {
@@ -51,7 +53,15 @@ class OneLineParser(argparse.ArgumentParser):
     """
 
     def error(self, message: str) -> typing.NoReturn:
-        raise _UsageError(f"{message} (see {self.prog} --help)")
+        raise _UsageError(f"{message}{_choice_hint(message)} (see {self.prog} --help)")
+
+
+def _choice_hint(message: str) -> str:
+    """argparse's "invalid choice: 'x' (choose from a, b)" with the closest choice (`sections.did_you_mean`)."""
+    found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if found is None:
+        return ""
+    return did_you_mean(found[1], [c.strip().strip("'") for c in found[2].split(",")])
 
 
 def os_error_message(exc: OSError) -> str | None:
@@ -93,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
         console.set_verbose()
     console.install()
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        hint = did_you_mean(argv[0], COMMANDS)
+        print(f"megagate: error: {argv[0]!r} is not a command; commands: {', '.join(COMMANDS)}{hint}", file=sys.stderr)
+        return 2
     if not argv or argv[0] not in COMMANDS:
         build_parser().parse_args(argv)  # prints help or the "invalid choice" error and exits
         return 2

@@ -79,6 +79,11 @@ def check_rules(cfg: TrainConfig) -> None:
     d = cfg.data
     if not (d.mock or d.demo or d.blend):
         raise ConfigError("data: give data.blend (dataset prefixes), or data.mock=true, or data.demo=true")
+    if d.demo and d.blend:  # the two are different data: which one trains must not depend on a precedence rule
+        raise ConfigError(
+            "data.demo=true and data.blend name two data sources: set data.demo=false to train on data.blend "
+            "(or drop data.blend for the demo corpus)"
+        )
     if d.blend and not d.tokenizer and not d.mock:
         raise ConfigError("data.tokenizer is required with data.blend (the tokenizer the data was preprocessed with)")
     if cfg.checkpoint.keep_last < 1:
@@ -97,7 +102,7 @@ def _check_optimizer(t: TrainSection) -> None:
     if not 0 <= t.warmup_steps < t.train_steps:
         raise ConfigError(
             f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.train_steps ({t.train_steps})): "
-            "warmup must end before the last step"
+            f"warmup must end before the last step (for a short run also set train.warmup_steps={t.train_steps // 10})"
         )
     if t.wsd_decay_steps is not None and not 1 <= t.wsd_decay_steps <= t.train_steps - t.warmup_steps:
         raise ConfigError(

@@ -39,7 +39,7 @@ from megagate.model import gate as gates
 from megagate.model.model_config import ModelConfig, ParallelConfig
 from megagate.model.presets import from_dict as model_from_dict
 from megagate.monitor.settings import MonitorConfig
-from megagate.sections import build_section, check_type
+from megagate.sections import build_section, check_type, did_you_mean
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 OPTIMIZERS = ("adamw", "muon")
@@ -259,7 +259,8 @@ def parse(data: Mapping[str, Any]) -> TrainConfig:
     applies them)."""
     unknown = sorted(set(data) - set(SECTIONS))
     if unknown:
-        raise ConfigError(f"{unknown[0]} is not a config section; sections: {', '.join(SECTIONS)}")
+        hint = did_you_mean(unknown[0], SECTIONS)
+        raise ConfigError(f"{unknown[0]} is not a config section; sections: {', '.join(SECTIONS)}{hint}")
     if "model" not in data:
         raise ConfigError("the config needs a model section (e.g. model: {preset: tiny, gate: g1-elementwise})")
     cfg = TrainConfig(

@@ -14,7 +14,9 @@ Every refusal is a one-line `ConfigError` naming the key path and what is allowe
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -32,18 +34,57 @@ def as_mapping(values: Any, path: str) -> dict:
     return dict(values)
 
 
+def closest(value: Any, allowed: Iterable[Any]) -> str | None:
+    """The allowed name a mistyped `value` most likely meant, or None: difflib's closest match (case and `-`/`_`
+    ignored), else an abbreviation either way (`learning_rate` for `lr`: the initials of the words), else a name
+    that contains the other (`warmup` for `warmup_steps`)."""
+    if not isinstance(value, str) or not value:
+        return None
+    names = [a for a in allowed if isinstance(a, str)]
+
+    def norm(text: str) -> str:
+        return text.lower().replace("-", "_")
+
+    by_norm = {norm(a): a for a in names}
+    match = difflib.get_close_matches(norm(value), list(by_norm), n=1, cutoff=0.75)
+    if match:
+        return by_norm[match[0]]
+
+    def initials(text: str) -> str:
+        words = [w for w in re.split(r"[_\-. ]+", norm(text)) if w]
+        return "".join(w[0] for w in words) if len(words) > 1 else ""
+
+    for a in names:
+        if initials(value) == norm(a) or initials(a) == norm(value):
+            return a
+    if len(value) >= 3:
+        contained = [a for a in names if norm(value) in norm(a) or (len(a) >= 3 and norm(a) in norm(value))]
+        if len(contained) == 1:
+            return contained[0]
+    return None
+
+
+def did_you_mean(value: Any, allowed: Iterable[Any]) -> str:
+    """`; did you mean 'x'?` for the closest allowed name (`closest`), or "" when nothing is close: appended at the
+    end of a refusal, after the list of what is allowed."""
+    match = closest(value, allowed)
+    return f"; did you mean {match!r}?" if match is not None else ""
+
+
 def refuse_unknown(values: Mapping, allowed: Iterable[str], path: str) -> None:
-    """ConfigError naming the first key of `values` not in `allowed` (YAML keys need not be strings)."""
+    """ConfigError naming the first key of `values` not in `allowed` (YAML keys need not be strings), with the
+    closest allowed key."""
     allowed = set(allowed)
     unknown = sorted(set(values) - allowed, key=str)
     if unknown:
-        raise ConfigError(f"{path}.{unknown[0]} is not a known key; allowed: {', '.join(sorted(allowed))}")
+        hint = did_you_mean(unknown[0], allowed)
+        raise ConfigError(f"{path}.{unknown[0]} is not a known key; allowed: {', '.join(sorted(allowed))}{hint}")
 
 
 def check_choice(value: Any, allowed: tuple[str, ...], path: str) -> None:
-    """ConfigError unless `value` is one of `allowed`."""
+    """ConfigError unless `value` is one of `allowed` (with the closest one)."""
     if value not in allowed:
-        raise ConfigError(f"{path}={value!r} is not one of {', '.join(allowed)}")
+        raise ConfigError(f"{path}={value!r} is not one of {', '.join(allowed)}{did_you_mean(value, allowed)}")
 
 
 def check_type(value: Any, annotation: Any, path: str) -> Any:

@@ -147,7 +147,34 @@ CASES = [
         ["train.warmup_steps=100"],
         1,
         1,
-        "train.warmup_steps (100) must be in [0, train.train_steps (60)): warmup must end before the last step",
+        "train.warmup_steps (100) must be in [0, train.train_steps (60)): warmup must end before the last step "
+        "(for a short run also set train.warmup_steps=6)",
+    ),
+    (  # a short smoke run of an example whose warm-up is longer: refused, with the override that makes it run
+        "short-run",
+        None,
+        ["train.train_steps=3"],
+        1,
+        1,
+        "train.warmup_steps (6) must be in [0, train.train_steps (3)): warmup must end before the last step "
+        "(for a short run also set train.warmup_steps=0)",
+    ),
+    (  # two data sources: refused, not settled by a precedence rule the saved config.yaml would not show
+        "demo-and-blend",
+        None,
+        ["data.blend=[corpus]", "data.tokenizer=t.json"],
+        1,
+        1,
+        "data.demo=true and data.blend name two data sources: set data.demo=false to train on data.blend",
+    ),
+    ("did-you-mean-key", None, ["train.learning_rate=1e-3"], 1, 1, "wsd_decay_steps; did you mean 'lr'?"),
+    (
+        "did-you-mean-preset",
+        None,
+        ["model.gate.preset=g1-elementwize"],
+        1,
+        1,
+        "g1-elementwise-sandwich-norm; did you mean 'g1-elementwise'?",
     ),
     ("min-lr", None, ["train.min_lr=0.1"], 1, 1, "train.min_lr (0.1) must be in [0, train.lr (0.003)]"),
     (

@@ -73,9 +73,11 @@ def write_plots(diags: Sequence[D.LayerDiagnostics], out_dir: str | Path) -> lis
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar(layers, [d.f_attn for d in diags], color="tab:blue", alpha=0.7, label="mean over heads")
-    for d in diags:
-        ax.scatter([d.layer] * len(d.f_attn_per_head), d.f_attn_per_head, s=10, color="k", zorder=3)
+    heads = [(d.layer, f) for d in diags for f in d.f_attn_per_head]
+    if heads:  # one scatter, one legend entry for every head's dot
+        ax.scatter(*zip(*heads), s=10, color="k", zorder=3, label="one head")
     ax.set(xlabel="layer", ylabel="attention on token 0", ylim=(0, 1), title="first-token attention (F-Attn)")
+    plotting.integer_ticks(ax)
     ax.legend(fontsize=8)
     written.append(plotting.save(fig, out / "first_token_attention.png"))
 
@@ -106,7 +108,8 @@ def write_plots(diags: Sequence[D.LayerDiagnostics], out_dir: str | Path) -> lis
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(layers, [d.m_act for d in diags], marker="o")
     ax.set(xlabel="layer", ylabel="max |hidden state|", title="massive activation (M-Act) per layer")
-    ax.set_yscale("log")
+    plotting.integer_ticks(ax)
+    plotting.value_scale(ax, [d.m_act for d in diags])  # log only where the layers span decades
     written.append(plotting.save(fig, out / "max_activation.png"))
 
     mapped = [d for d in diags if d.attn_map is not None]

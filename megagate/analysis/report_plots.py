@@ -37,7 +37,7 @@ def plot_loss_curves(results: Sequence[Any], path: str | Path) -> Path:
     ax.set_ylabel("training loss")
     ax.set_title("loss curves (x = spike event)")
     if len(results) <= 24:  # a legend of a large sweep hides the curves
-        ax.legend(fontsize=6, ncol=2)
+        ax.legend(fontsize=8, ncol=2 if len(results) > 8 else 1)
     ax.grid(alpha=0.3)
     return plotting.save(fig, path)
 
@@ -177,11 +177,11 @@ def plot_diagnostics_over_training(
         axes[0].axhline(uniform_f_attn(length), color="k", ls=":", lw=1, label=f"uniform, L={length}")
     axes[0].set_ylabel("F-Attn (first-token attention)")
     axes[1].set_ylabel("M-Act (max |activation|)")
-    axes[1].set_yscale("log")
+    plotting.value_scale(axes[1], [v for line in axes[1].get_lines() for v in line.get_ydata()])
     axes[2].set_ylabel("gate score (mean)")
     axes[2].set_xlabel("step")
     for ax in axes:
         ax.grid(alpha=0.3, which="both")
-    axes[0].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the curves stay visible
+    axes[0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the curves stay visible
     axes[0].set_title("diagnostics over training (mean over seeds; layers: F-Attn/gate mean, M-Act max)", fontsize=9)
     return plotting.save(fig, path)

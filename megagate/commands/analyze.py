@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -19,9 +20,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(config.json of a qwen3 / qwen3_moe / qwen3_next / paper model, safetensors, tokenizer.json)",
     )
     parser.add_argument("--text", default=None, help="a UTF-8 text file to probe with (default: a built-in paragraph)")
-    parser.add_argument("--out", default="analysis", help="folder for the PNG plots and table.txt (default: analysis)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="folder for the PNG plots and table.txt (default: <run>/analysis, the run folder of the checkpoint; "
+        "<folder>/analysis for a Hugging Face folder)",
+    )
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
     parser.add_argument("--batch", type=int, default=4, help="sequences (consecutive windows of the text; default 4)")
+
+
+def run_folder(source: str | Path) -> Path:
+    """The run folder of the checkpoint `source` names (an iter_NNNNNNN folder, a checkpoint root, a run folder): the
+    folder above its checkpoint root when that root is the run's `checkpoints/`, else the root itself (a
+    `checkpoint.dir` of its own, an imported checkpoint). A Hugging Face folder is its own."""
+    from megagate import checkpoint as ckpt
+    from megagate.interop.hf_folder import is_hf_folder
+
+    if is_hf_folder(source):
+        return Path(source)
+    path = ckpt.resolve(source)
+    root = path.parent if re.fullmatch(r"iter_\d{7}", path.name) else path
+    return root.parent if root.name == "checkpoints" else root
+
+
+def default_out(sources: Sequence[str], what: str) -> str:
+    """`<run>/<what>` for checkpoints of one run; a one-line refusal for several runs (no folder is theirs)."""
+    runs = {run_folder(s).resolve(): run_folder(s) for s in sources}
+    if len(runs) > 1:
+        raise MegagateError(
+            f"the checkpoints are of {len(runs)} runs ({', '.join(map(str, runs.values()))}): give --out FOLDER"
+        )
+    return str(next(iter(runs.values())) / what)
 
 
 def text_batch(ids: Sequence[int], seq_len: int, batch: int) -> torch.Tensor:
@@ -69,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     # a Hugging Face folder is imported in memory (nothing is written next to it)
     load = load_hf_for_analysis if is_hf_folder(args.checkpoint) else load_model_for_analysis
     model, encode = load(args.checkpoint)
+    if args.out is None:
+        args.out = default_out([args.checkpoint], "analysis")
     tokens = text_batch(encode(text), args.seq_len, args.batch)
     device = next(model.parameters()).device
     table = analyze_model(model, tokens.to(device), args.out)

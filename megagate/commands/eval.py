@@ -43,7 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     parser.add_argument("--seed", type=int, default=1234, help="sample-order seed for --data prefixes (default 1234)")
     parser.add_argument("--names", default=None, help="comma-separated labels of the checkpoints (plot legend)")
-    parser.add_argument("--out", default="eval", help="output folder (default: eval)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default: <run>/eval, the checkpoints' run folder; several runs: required)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value < low:
             raise MegagateError(f"{flag} {value}: must be >= {low}")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise MegagateError(f"--out {args.out}: exists and is not a folder")
     lengths = options.parse_lengths(args.seq_lengths)
     rope = options.parse_rope(args.rope)
@@ -76,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
     prepared = [
         core.prepare(c, rope, lengths, None if names is None else names[i]) for i, c in enumerate(args.checkpoints)
     ]
+    if args.out is None:  # the checkpoints are known good now: their run folder
+        from megagate.commands.analyze import default_out
+
+        args.out = default_out(args.checkpoints, "eval")
     world = launcher_world_size()
     parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     dp = core.check_layout(prepared, parallel, world)

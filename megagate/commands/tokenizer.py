@@ -57,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
     return _verify(args)
 
 
+SHORT_VOCAB = 0.5  # a trained vocabulary below this share of the one asked for is worth a warning
+
+
 def _train(args) -> int:
     from megagate.data.tokenizer import EOD_TOKEN, PAD_TOKEN, NoTrainingText, train_bpe
 
@@ -83,6 +86,14 @@ def _train(args) -> int:
     print(
         f"wrote {path}: {tok.vocab_size} tokens, end-of-document id {tok.eod}, padding id {tok.pad}, engine {tok.name}"
     )
+    if tok.vocab_size < SHORT_VOCAB * args.vocab_size:
+        # BPE stops when no pair occurs min_frequency times: a small corpus cannot fill a large vocabulary
+        print(
+            f"warning: {tok.vocab_size} tokens, far below --vocab-size {args.vocab_size}: the corpus has too few "
+            f"repeated pairs (--min-frequency {args.min_frequency}); give more text or a smaller --vocab-size, and "
+            f"set model.vocab_size >= {tok.vocab_size}",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -20,9 +20,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--world-size",
         type=int,
         default=None,
-        help="world size to plan for with --dry-run (default: from the launcher environment, else 1)",
+        help="with --dry-run: plan for a cluster of this many GPU ranks (default: this machine, with the launcher "
+        "environment's world size, else 1)",
     )
-    parser.add_argument("--gpu", default="h100-sxm", help="with --dry-run: the GPU of the memory plan (megagate plan)")
+    parser.add_argument(
+        "--gpu",
+        default=None,
+        help="with --dry-run: plan for a cluster of this GPU (megagate plan's names; default h100-sxm once "
+        "--world-size is given) instead of this machine",
+    )
     parser.add_argument("--gpus-per-node", type=int, default=8, help="with --dry-run: GPUs per node of the plan")
 
 
@@ -50,6 +56,7 @@ def describe(setup: RunSetup) -> str:
         f"precision {t.precision}; lr {t.lr} ({t.lr_schedule}, warmup {t.warmup_steps}, min {t.min_lr}); "
         f"clip {t.clip_grad}; weight decay {t.weight_decay}; optimizer {_optimizer_line(t)}",
         f"output: {cfg.output.dir}; checkpoints: {cfg.checkpoint_dir}",
+        *data_lines(cfg),
         *setup.describe(),
     ]
     if t.precision == "fp8":
@@ -68,6 +75,49 @@ def describe(setup: RunSetup) -> str:
             f"{prof.dir or os.path.join(cfg.output.dir, 'profile')}"
         )
     return "\n".join(lines)
+
+
+def data_lines(cfg: Any) -> list[str]:
+    """What the run reads: the data source (demo corpus, mock tokens or the blend's datasets and weights, the split)
+    and the tokenizer file."""
+    from megagate.data.demo import run_tokenizer
+
+    d = cfg.data
+    if d.mock:
+        source = "mock (megatron's MockGPTDataset: synthetic tokens, no files)"
+    elif d.demo and not d.blend:
+        source = (
+            f"demo corpus (Python's own docs and code, {d.demo_max_bytes:,} bytes, BPE {d.demo_vocab_size}) "
+            f"built or reused under {d.demo_dir}"
+        )
+    else:
+        from megagate.data.loader import parse_blend
+
+        prefixes, weights = parse_blend(d.blend)
+        parts = prefixes if weights is None else [f"{w:g} x {p}" for w, p in zip(weights, prefixes, strict=True)]
+        source = f"blend {', '.join(parts)}"
+    tokenizer = run_tokenizer(d)
+    return [
+        f"data: {source}; split {d.split} (train, valid, test); loader {d.loader}",
+        f"tokenizer: {tokenizer if tokenizer else 'none (mock data: token ids only)'}",
+    ]
+
+
+def device_line(setup: RunSetup, gpu: str | None) -> str:
+    """The machine the plan describes: this one (its CPU or GPU, after the CPU switch-offs) or the target cluster."""
+    t = setup.cfg.train
+    precision = t.precision if t.precision == "fp8" else setup.precision
+    if gpu is not None:
+        return f"device: a cluster of {gpu} GPUs (the target; --gpu / --world-size), parameters {precision}"
+    if setup.machine.gpu:
+        import torch
+
+        return f"device: this machine's GPU ({torch.cuda.get_device_name()}), parameters {precision}"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (
+        f"device: this machine's CPU ({cores} cores; gloo process groups), parameters {precision} "
+        "(--gpu NAME --world-size N describes a GPU cluster instead)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,10 +142,29 @@ def run(args: argparse.Namespace) -> int:
             raise MegagateError(f"--gpus-per-node {args.gpus_per_node}: must be >= 1")
         from megagate.plan import plan
 
-        # the set-up of the GPU nodes the config is written for (the layout check of the real run included)
-        text = describe(resolve(cfg, world, Machine.target(cfg)))
-        predicted = plan(cfg, world, args.gpu, gpus_per_node=min(args.gpus_per_node, world))
-        print(f"{text}\nmemory plan:\n{predicted.table()}")
+        # a target cluster when one is named (--gpu, --world-size), else this machine as the real run sees it (the
+        # CPU switch-offs of kernels and perf settings included)
+        gpu = args.gpu or ("h100-sxm" if args.world_size is not None else None)
+        if gpu is not None:
+            from megagate.plan.devices import gpu_spec
+
+            gpu_spec(gpu)  # an unknown name refused before anything is printed
+        setup = resolve(cfg, world, Machine.target(cfg) if gpu is not None else None)
+        print(describe(setup))
+        print(device_line(setup, gpu))
+        if gpu is None and setup.machine.gpu:
+            import torch
+
+            from megagate.plan.devices import from_cuda_name
+
+            spec = from_cuda_name(torch.cuda.get_device_name())
+            gpu = spec.name if spec is not None else None
+        if gpu is None:
+            why = "this GPU is not in the planner's table" if setup.machine.gpu else "a CPU run"
+            print(f"memory plan: none ({why}); --gpu NAME plans one")
+            return 0
+        predicted = plan(cfg, world, gpu, gpus_per_node=min(args.gpus_per_node, world))
+        print(f"memory plan:\n{predicted.table()}")
         return 0
     from megagate.distributed import children, parallel
     from megagate.health import watchdog

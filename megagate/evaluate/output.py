@@ -51,10 +51,10 @@ def plot(results: dict[str, Any], path: str | Path) -> Path:
             rows = sorted((r for r in c["results"] if r["data"] == data), key=lambda r: r["seq_length"])
             ax.plot([r["seq_length"] for r in rows], [r["ppl"] for r in rows], marker="o", label=c["name"])
             ax.axvline(c["train_seq_length"], color="grey", linestyle=":", linewidth=0.8)
-        ax.set_xscale("log", base=2)
+        lengths = [r["seq_length"] for c in results["checkpoints"] for r in c["results"] if r["data"] == data]
+        plotting.log2_ticks_at(ax, lengths)  # a tick per evaluated length, written 512 rather than 2^9
         ppls = [r["ppl"] for c in results["checkpoints"] for r in c["results"] if r["data"] == data]
-        if min(ppls) > 0 and max(ppls) / min(ppls) > 10:  # a log axis only where the curve spans decades
-            ax.set_yscale("log")
+        plotting.value_scale(ax, ppls)  # a log axis only where the curve spans decades
         ax.set_xlabel("evaluated length (tokens)")
         ax.set_ylabel("perplexity")
         ax.set_title(f"{data} (dotted: training length)")

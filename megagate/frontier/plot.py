@@ -48,7 +48,7 @@ def plot_frontier(state: FrontierState, results: Sequence[Any], path: str | Path
                 if y is not None:
                     ax.scatter([row["lr"]], [y], marker="x", s=40, color=f"C{row['seed'] % 10}", zorder=3)
                     ax.annotate(
-                        row["outcome"][9:], (row["lr"], y), fontsize=6, xytext=(3, 3), textcoords="offset points"
+                        row["outcome"][9:], (row["lr"], y), fontsize=8, xytext=(3, 3), textcoords="offset points"
                     )
         limit = spec.rule.threshold(r.best)
         if limit is not None:
@@ -61,16 +61,23 @@ def plot_frontier(state: FrontierState, results: Sequence[Any], path: str | Path
             ax.axvspan(b.healthy, b.unhealthy, facecolor="none", hatch="//", edgecolor="orange", lw=0, alpha=0.5)
         ax.set_xscale("log")
         ax.set_xlim(spec.lo / 1.3, spec.hi * 1.3)
-        ax.set_title(f"{r.variant}: {b.describe()}", fontsize=8)
+        ax.set_title(f"{r.variant}: {b.describe()}", fontsize=10)
         ax.set_xlabel("peak learning rate")
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("final validation loss\n(x: last training loss, stopped early)")
     ref = "best" if spec.rule.reference is None else f"{spec.rule.reference:g}"
+    # the legend names each marker as it is drawn (a proxy per kind, in grey: the colour is the seed)
+    kinds = [
+        plt.Line2D([], [], ls="", marker="o", color="gray", label="completed, healthy"),
+        plt.Line2D([], [], ls="", marker="o", mfc="none", color="gray", label="completed, unhealthy"),
+        plt.Line2D([], [], ls="", marker="x", color="gray", label="stopped early (reason beside it)"),
+    ]
+    axes[0][-1].legend(handles=kinds, fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle(
         f"stability frontier: healthy up to the green line, bracket hatched\ndotted: {ref} + {spec.rule.delta:g}; "
-        f"seeds {','.join(map(str, spec.seeds))} by colour; open = unhealthy",
-        fontsize=8,
-        y=1.04,
+        f"seeds {','.join(map(str, spec.seeds))} by colour",
+        fontsize=11,
+        y=1.06,
     )
     return plotting.save(fig, path)
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from megagate.errors import ConfigError, MegagateError
+from megagate.sections import did_you_mean
 
 INDEX = "model.safetensors.index.json"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
@@ -50,7 +51,7 @@ def known_format(fmt: str | None) -> None:
     from megagate.interop import hf
 
     if fmt is not None and fmt not in hf.FORMATS:
-        raise ConfigError(f"--format {fmt!r} is not one of {', '.join(hf.FORMATS)}")
+        raise ConfigError(f"--format {fmt!r} is not one of {', '.join(hf.FORMATS)}{did_you_mean(fmt, hf.FORMATS)}")
 
 
 def write_safetensors(folder: Path, tensors: Mapping[str, torch.Tensor], shard_bytes: int) -> None:

@@ -9,7 +9,9 @@ to it and renamed when complete, so a failure leaves nothing half-written under 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import shutil
@@ -30,6 +32,7 @@ from megagate.interop.hf_folder import (
     write_safetensors,
     write_tokenizer,
 )
+from megagate.sections import did_you_mean
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EXPORT_META = "megagate_export.json"
@@ -81,7 +84,7 @@ def export_checkpoint(
     from megagate.model_factory import load_whole_model, read_checkpoint
 
     if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}{did_you_mean(dtype, DTYPES)}")
     shard_bytes = parse_size(max_shard_size)
     known_format(fmt)
     out = check_out(out, force)
@@ -234,7 +237,9 @@ def _save_once(root: Path, model: torch.nn.Module, meta: Mapping[str, Any]) -> P
     if ours:
         children.install_checkpoint_writer_queue()
     try:
-        return ckpt.Checkpointer(root, keep_last=1).save(0, [model], None, dict(meta))
+        # the checkpointer's "saved checkpoint ..." names the temporary folder; import_hf prints the final one
+        with contextlib.redirect_stdout(io.StringIO()):
+            return ckpt.Checkpointer(root, keep_last=1).save(0, [model], None, dict(meta))
     finally:
         if ours:
             children.shutdown()

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from megagate.errors import ConfigError
+from megagate.sections import did_you_mean
 
 POSITIONS = ("none", "g1", "g2", "g3", "g4", "g5")
 GRANULARITIES = ("elementwise", "headwise")
@@ -130,7 +131,7 @@ def validate(gate: GateConfig) -> None:
     ):
         value = getattr(gate, name)
         if value not in allowed:
-            raise ConfigError(f"gate.{name}={value!r} is not one of {', '.join(allowed)}")
+            raise ConfigError(f"gate.{name}={value!r} is not one of {', '.join(allowed)}{did_you_mean(value, allowed)}")
     if not isinstance(gate.sandwich_norm, bool):
         raise ConfigError(f"gate.sandwich_norm={gate.sandwich_norm!r} must be true or false")
     if gate.position == "g5" and gate.granularity == "headwise":
@@ -201,13 +202,17 @@ def from_dict(values: Mapping[str, Any] | None = None, preset: str | None = None
     merged: dict[str, Any] = {}
     if preset is not None:
         if preset not in PRESETS:
-            raise ConfigError(f"gate preset {preset!r} is unknown; known presets: {', '.join(PRESETS)}")
+            raise ConfigError(
+                f"gate preset {preset!r} is unknown; known presets: {', '.join(PRESETS)}{did_you_mean(preset, PRESETS)}"
+            )
         merged.update(PRESETS[preset])
     for key, value in (values or {}).items():
         if key == "preset":
             continue
         if key not in fields:
-            raise ConfigError(f"gate.{key} is not a gate field; fields: {', '.join(sorted(fields))}")
+            raise ConfigError(
+                f"gate.{key} is not a gate field; fields: {', '.join(sorted(fields))}{did_you_mean(key, fields)}"
+            )
         merged[key] = value
     return GateConfig(**merged)
 

@@ -16,6 +16,7 @@ from megagate.errors import ConfigError
 from megagate.model import hybrid, position
 from megagate.model.gate import GateConfig
 from megagate.model.gate_params import gate_parameter_count
+from megagate.sections import did_you_mean
 
 
 @dataclass(frozen=True)
@@ -326,7 +327,8 @@ def check_fields(values: Mapping[str, Any]) -> None:
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(values) - fields)
     if unknown:
-        raise ConfigError(f"model.{unknown[0]} is not a model field; fields: {', '.join(sorted(fields))}")
+        hint = did_you_mean(unknown[0], fields)
+        raise ConfigError(f"model.{unknown[0]} is not a model field; fields: {', '.join(sorted(fields))}{hint}")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import Any
 from megagate.errors import ConfigError
 from megagate.model.gate import GateConfig
 from megagate.model.model_config import ModelConfig, check_fields
+from megagate.sections import did_you_mean
 
 # --- presets -------------------------------------------------------------------------------------------------------
 QWEN_VOCAB = 151_936
@@ -139,7 +140,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 def model_preset(name: str, gate: GateConfig | None = None, **overrides: Any) -> ModelConfig:
     """A preset ModelConfig with an optional gate and field overrides."""
     if name not in PRESETS:
-        raise ConfigError(f"model preset {name!r} is unknown; known presets: {', '.join(PRESETS)}")
+        raise ConfigError(
+            f"model preset {name!r} is unknown; known presets: {', '.join(PRESETS)}{did_you_mean(name, PRESETS)}"
+        )
     check_fields(overrides)
     values = {**PRESETS[name], **overrides}
     if gate is not None:

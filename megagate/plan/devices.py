@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megagate.errors import ConfigError
+from megagate.sections import did_you_mean
 
 GB = 1e9
 GiB = 2**30
@@ -100,7 +101,7 @@ def gpu_spec(name: str) -> GpuSpec:
     key = name.lower().replace("_", "-").replace(" ", "-")
     key = {"h100": "h100-sxm", "a100": "a100-80gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb"}.get(key, key)
     if key not in GPUS:
-        raise ConfigError(f"--gpu {name!r} is not a known GPU; known: {', '.join(GPUS)}")
+        raise ConfigError(f"--gpu {name!r} is not a known GPU; known: {', '.join(GPUS)}{did_you_mean(key, GPUS)}")
     return GPUS[key]
 
 

@@ -69,7 +69,7 @@ def test_monitor_typo_refused_before_anything_is_built(tmp_path):
         "megagate train: error: monitor.spike.treshold is not a known key; allowed: abs_ceiling, action, center_window, "
         "direction, early_min_history, early_rise, enabled, lr_backoff_factor, lr_backoff_steps, max_consecutive, "
         "max_rollbacks, metric_thresholds, metrics, min_history, rel_floor, rollback_skip_steps, threshold, transform, "
-        "window"
+        "window; did you mean 'threshold'?"
     ]
     assert not (tmp_path / "run").exists()
 
