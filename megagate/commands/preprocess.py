@@ -90,7 +90,7 @@ def _options(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    modes = [m for m in MODES if getattr(args, m) not in (None, False)]
+    modes = [m for m in MODES if getattr(args, m) is not None and getattr(args, m) is not False]
     if len(modes) > 1:
         flags = " and ".join("--" + m.replace("_", "-") for m in modes)
         raise MegagateError(f"{flags}: choose one of --plan-only, --unit, --task-id, --merge, --sharded, --slurm")

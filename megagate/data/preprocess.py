@@ -200,7 +200,13 @@ def check_options(
 
 
 def check_inputs(files: Sequence[Path], keys: Sequence[str]) -> None:
-    """Several JSON keys need JSONL or Parquet inputs (a text file has one text per document)."""
+    """Several JSON keys need JSONL or Parquet inputs (a text file has one text per document); every Parquet
+    footer is readable and has a string column per key (refused here, before any worker starts)."""
+    from megagate.data.formats import check_columns, open_parquet
+
+    for f in files:
+        if input_kind(f) == "parquet":
+            check_columns(f, open_parquet(f), keys)
     if len(keys) > 1:
         text_files = [str(f) for f in files if input_kind(f) == "text"]
         require(

@@ -114,11 +114,11 @@ def run_units(
     out = []
     for k in ids:
         unit = manifest["units"][k]
+        U.check_unchanged(unit)  # done or not: a unit's inputs must still be the planned ones
         if k in done:
             rec = {f: done[k][f] for f in ("documents", "tokens", "text_bytes", "disk_bytes", "bad_lines", "seconds")}
             out.append(UnitRecord(unit=k, skipped=True, **rec))
             continue
-        U.check_unchanged(unit)
         res = preprocess(
             [p["path"] for p in unit["inputs"]],
             U.unit_prefix(udir, k),
