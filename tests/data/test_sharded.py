@@ -219,3 +219,22 @@ def test_glob_patterns_expand_in_sorted_order(corpus, single, small_tok, tmp_pat
     pattern = str(corpus[0].parent / "*.*")  # a.parquet, b.jsonl.zst, c.jsonl
     assert cli_main(["preprocess", "-i", pattern, "-o", str(tmp_path / "g"), "-t", small_tok, "--no-progress"]) == 0
     _same_files(f"{tmp_path}/g_text_document", single)
+
+
+def test_inspect_lists_units_and_checks_each_idx_against_its_bin(corpus, small_tok, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert _cli(corpus, out, small_tok, "--sharded", "--tasks", "2") == 0
+    summary = json.loads(Path(f"{out}.units/summary.json").read_text())
+    capsys.readouterr()
+    assert cli_main(["data", "inspect", f"{out}.units", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert [r["documents"] for r in stats["units"]] == [u["documents"] for u in summary["units"]]
+    assert sum(r["tokens"] for r in stats["units"]) == summary["tokens"]["text"] and stats["missing"] == []
+    Path(f"{out}.units/unit-00001.done.json").unlink()
+    assert cli_main(["data", "inspect", f"{out}.units/manifest.json"]) == 0
+    assert "1 not done" in capsys.readouterr().out
+    with open(f"{out}.units/unit-00000_text_document.bin", "r+b") as f:
+        f.truncate(10)
+    assert cli_main(["data", "inspect", f"{out}.units"]) == 2
+    err = capsys.readouterr().err
+    assert "unit-00000_text_document.bin: size 10 bytes does not match its index" in err
