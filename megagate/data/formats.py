@@ -153,7 +153,8 @@ def iter_row_group_columns(
 
     for g in range(start, stop):
         try:
-            table = pf.read_row_group(g, columns=list(columns))
+            # one thread: tokenizing, not decoding, is the bottleneck (and pyarrow stays idle when workers fork)
+            table = pf.read_row_group(g, columns=list(columns), use_threads=False)
         except (pa.ArrowException, OSError) as exc:
             raise MegagateError(f"{path}: row group {g} is unreadable ({exc})") from None
         yield g, [table.column(c).to_pylist() for c in columns]

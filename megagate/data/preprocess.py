@@ -13,9 +13,14 @@ plus `<...>.meta.json` naming the tokenizer (used by `megagate data inspect`). E
 finalized (Megatron-LM's `preprocess_data.py` finalized only the last key). Files are written under
 temporary names and renamed when complete.
 
-Bad records (invalid JSON, not an object, missing key, non-string, empty text, non-UTF-8) are counted by
-reason and reported with file and line; `bad_lines="skip"` drops them, `"error"` stops at the first one with
-nothing written.
+Bad records (invalid JSON, not an object, missing key, non-string, empty text, non-UTF-8; a null or blank
+Parquet value) are counted by reason and reported with file and line (or row); `bad_lines="skip"` drops them,
+`"error"` stops at the first one with nothing written.
+
+The run is a record first: `check_options`, `check_inputs`, `check_outputs`, then `_Run` (open the writers,
+tokenize in order, `account` each result, `commit` all keys or none) fills a `PreprocessResult`; the command
+renders it (`megagate.commands.preprocess.render_result`). `pieces=` runs the same pipeline over parts of the
+inputs: a work unit of a sharded run (`megagate.data.shards`).
 """
 
 from __future__ import annotations
