@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--unit", type=int, default=None, help="process unit K of the manifest")
     g.add_argument("--task-id", default=None, help="process the units of task K (`env`: $SLURM_ARRAY_TASK_ID)")
     g.add_argument("--merge", action="store_true", help="merge every unit (all must be done)")
+    g.add_argument(
+        "--blend", action="store_true", help="with --merge/--sharded/--slurm: no merged file, a blend of the units"
+    )
     g.add_argument("--sharded", action="store_true", help="plan, process the missing units, merge: on this machine")
     g.add_argument("--slurm", action="store_true", help="submit the missing units as a job array and a merge job")
     g.add_argument("--tasks", type=int, default=None, help="tasks of the plan (default: one per unit)")

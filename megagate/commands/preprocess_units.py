@@ -35,7 +35,7 @@ def run_mode(args: argparse.Namespace, mode: str, spec, opts) -> Lines:
     if mode == "plan_only":
         return render_plan(manifest, shards.measure_rate(manifest, spec), opts.workers)
     if mode == "merge":
-        return render_merge(shards.merge(args.output_prefix, args.overwrite))
+        return _merge(args)
     if mode in ("unit", "task_id"):
         ids = shards.select_units(manifest, unit=args.unit, task=_task_id(args.task_id))
         return render_units(shards.run_units(args.output_prefix, spec, opts.workers, ids, progress))
@@ -43,8 +43,17 @@ def run_mode(args: argparse.Namespace, mode: str, spec, opts) -> Lines:
         lines = render_units(
             shards.run_units(args.output_prefix, spec, opts.workers, shards.select_units(manifest), progress)
         )
-        return lines + render_merge(shards.merge(args.output_prefix, args.overwrite))
+        return lines + _merge(args)
     return submit_array(args, manifest)
+
+
+def _merge(args: argparse.Namespace) -> Lines:
+    if args.blend:
+        return [
+            ("out", f"{key}: blend of the units {path} (data.blend with token counts as weights)")
+            for key, path in shards.write_blend(args.output_prefix).items()
+        ]
+    return render_merge(shards.merge(args.output_prefix, args.overwrite))
 
 
 def _unit_bytes(unit_mb: float) -> int:
@@ -203,7 +212,7 @@ def submit_array(args: argparse.Namespace, manifest: dict[str, Any]) -> Lines:
         lines.append(("out", f"all {len(manifest['units'])} units are done; only the merge is submitted"))
     extra = (f"--dependency=afterany:{after}",) if after else ()
     request = SlurmRequest(job_name="preprocess-merge", extra_sbatch=extra, **common)
-    merge_argv = [*argv, "--merge"] + (["--overwrite"] if args.overwrite else [])
+    merge_argv = [*argv, "--merge"] + (["--overwrite"] if args.overwrite else []) + (["--blend"] if args.blend else [])
     script = render_batch_script(request, merge_argv, header="megagate preprocess: merge the units")
     path = udir / "slurm" / "preprocess-merge.sbatch"
     if args.dry_run:

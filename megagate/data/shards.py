@@ -247,3 +247,32 @@ def measure_rate(manifest: dict[str, Any], spec: TokenizerSpec, seconds: float =
     # on-disk bytes per text byte of what was read (the reader reports its position between chunks: 1 until then)
     ratio = disk[0] / text if disk[0] and text else 1.0
     return {"tokens_per_s": tokens / dt, "disk_bytes_per_s": text * ratio / dt}
+
+
+def write_blend(output_prefix: str) -> dict[str, Path]:
+    """The merge's alternative: `<prefix>_<key>_blend.yaml` per key, a `data:` section whose `blend` lists every
+    unit's dataset with its token count as the weight (sampling in proportion to size, as the merged file would);
+    all units must be done, as for the merge."""
+    import yaml
+
+    udir = U.units_dir(output_prefix)
+    manifest, missing = missing_units(output_prefix)
+    if missing:
+        raise MegagateError(
+            f"blend: {len(missing)} of {len(manifest['units'])} units not done ({', '.join(map(str, missing[:10]))}); "
+            "rerun the same command to process them; nothing written"
+        )
+    out = {}
+    for key in manifest["settings"]["keys"]:
+        blend: list[str] = []
+        for unit in manifest["units"]:
+            prefix = output_prefix_for(U.unit_prefix(udir, unit["id"]), key)
+            dtype, n, _ = read_index_header(prefix + ".idx")
+            tokens = os.path.getsize(prefix + ".bin") // dtype.itemsize
+            if n:  # a unit that kept no document has nothing to sample
+                blend += [str(tokens), prefix]
+        path = Path(f"{output_prefix_for(output_prefix, key)[: -len('_document')]}_blend.yaml")
+        doc = {"data": {"blend": blend, "tokenizer": manifest["settings"]["tokenizer"]}}
+        write_atomic(path, yaml.safe_dump(doc, sort_keys=False))
+        out[key] = path
+    return out

@@ -238,3 +238,19 @@ def test_inspect_lists_units_and_checks_each_idx_against_its_bin(corpus, small_t
     assert cli_main(["data", "inspect", f"{out}.units"]) == 2
     err = capsys.readouterr().err
     assert "unit-00000_text_document.bin: size 10 bytes does not match its index" in err
+
+
+def test_blend_instead_of_a_merge_weights_units_by_tokens(corpus, single, small_tok, tmp_path):
+    import yaml
+
+    from megagate.data.loader import parse_blend
+
+    out = tmp_path / "o"
+    assert _cli(corpus, out, small_tok, "--sharded", "--blend") == 0
+    assert not Path(f"{out}_text_document.bin").exists()  # no merged copy
+    doc = yaml.safe_load(Path(f"{out}_text_blend.yaml").read_text())
+    prefixes, weights = parse_blend(doc["data"]["blend"])  # what data.blend is read with
+    assert [validate(p)["tokens"] for p in prefixes] == weights
+    assert sum(weights) == validate(single)["tokens"] and doc["data"]["tokenizer"] == str(Path(small_tok).resolve())
+    merged = np.concatenate([np.fromfile(f"{p}.bin", dtype=np.uint16) for p in prefixes])
+    assert np.array_equal(merged, np.fromfile(f"{single}.bin", dtype=np.uint16))
