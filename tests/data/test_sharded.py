@@ -92,6 +92,15 @@ def test_units_in_any_order_then_merge_give_the_single_run_bytes(corpus, single,
     summary = json.loads(Path(f"{out}.units/summary.json").read_text())
     assert len(summary["units"]) == n and summary["documents"] == validate(single)["documents"]
     assert sum(u["tokens"] for u in summary["units"]) == summary["tokens"]["text"] == validate(single)["tokens"]
+    # megatron-core's own merge (IndexedDatasetBuilder.add_index, as Megatron-LM's merge_datasets.py) agrees
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(tmp_path / "mc.bin"), dtype=np.uint16)
+    for k in range(n):
+        builder.add_index(f"{out}.units/unit-{k:05d}_text_document")
+    builder.finalize(str(tmp_path / "mc.idx"))
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"mc{suffix}").read_bytes() == Path(f"{out}_text_document{suffix}").read_bytes()
 
 
 def test_rerun_redoes_only_missing_and_changed_units(corpus, single, small_tok, tmp_path, capsys):
