@@ -263,3 +263,18 @@ def test_blend_instead_of_a_merge_weights_units_by_tokens(corpus, single, small_
     assert sum(weights) == validate(single)["tokens"] and doc["data"]["tokenizer"] == str(Path(small_tok).resolve())
     merged = np.concatenate([np.fromfile(f"{p}.bin", dtype=np.uint16) for p in prefixes])
     assert np.array_equal(merged, np.fromfile(f"{single}.bin", dtype=np.uint16))
+
+
+def test_slurm_dry_run_renders_the_array_of_missing_tasks_and_the_merge(corpus, small_tok, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert _cli(corpus, out, small_tok, "--tasks", "3", "--unit", "0", "--plan-only") == 2  # one mode at a time
+    assert _cli(corpus, out, small_tok, "--tasks", "3", "--plan-only") == 0
+    assert _cli(corpus, out, small_tok, "--tasks", "3", "--task-id", "0") == 0  # task 0 done: not resubmitted
+    capsys.readouterr()
+    assert _cli(corpus, out, small_tok, "--tasks", "3", "--slurm", "--dry-run", "--slurm-max-parallel", "2") == 0
+    array = Path(f"{out}.units/slurm/preprocess-array.sbatch").read_text()
+    merge = Path(f"{out}.units/slurm/preprocess-merge.sbatch").read_text()
+    assert "#SBATCH --array=1,2%2" in array and "#SBATCH --cpus-per-task=1" in array
+    assert "megagate preprocess --input" in array and "--task-id env" in array and "--unit-mb 0.02" in array
+    assert "--merge" in merge and "--task-id" not in merge and "MEGAGATE_MAX_RESTARTS=0" in merge
+    assert "dry run: nothing submitted" in capsys.readouterr().out
