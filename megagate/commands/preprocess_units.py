@@ -15,6 +15,7 @@ from typing import Any
 
 from megagate.data import shards
 from megagate.data import units as U
+from megagate.data.preprocess import check_outputs, output_prefix_for
 from megagate.errors import ConfigError
 
 Lines = list[tuple[str, str]]
@@ -22,6 +23,8 @@ Lines = list[tuple[str, str]]
 
 def run_mode(args: argparse.Namespace, mode: str, spec, opts) -> Lines:
     unit_bytes = _unit_bytes(args.unit_mb)
+    if mode in ("merge", "sharded", "slurm") and not args.blend:  # before any unit runs or any job is queued
+        check_outputs({k: output_prefix_for(args.output_prefix, k) for k in opts.keys}, args.overwrite)
     if mode in ("plan_only", "sharded", "slurm"):
         manifest = shards.plan(args.input, args.output_prefix, spec, opts, unit_bytes, args.tasks, args.overwrite)
     else:

@@ -278,3 +278,13 @@ def test_slurm_dry_run_renders_the_array_of_missing_tasks_and_the_merge(corpus, 
     assert "megagate preprocess --input" in array and "--task-id env" in array and "--unit-mb 0.02" in array
     assert "--merge" in merge and "--task-id" not in merge and "MEGAGATE_MAX_RESTARTS=0" in merge
     assert "dry run: nothing submitted" in capsys.readouterr().out
+
+
+def test_a_finished_sharded_run_is_not_redone_without_overwrite(corpus, small_tok, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert _cli(corpus, out, small_tok, "--sharded") == 0
+    capsys.readouterr()
+    for mode in (["--sharded"], ["--slurm", "--dry-run"], ["--merge"]):
+        assert _cli(corpus, out, small_tok, *mode) == 2
+        assert "o_text_document.bin' already exists; pass --overwrite" in capsys.readouterr().err
+    assert not Path(f"{out}.units/slurm").exists()  # nothing rendered, nothing queued
