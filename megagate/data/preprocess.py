@@ -379,7 +379,9 @@ def _test_hold(seq: int, prefix: str) -> None:
     if hold and seq == 0 and text in prefix:
         import time
 
-        Path(hold).write_text(str(os.getpid()))
+        from megagate.files import write_atomic
+
+        write_atomic(hold, str(os.getpid()))  # atomically: the test reads the pid as soon as the file exists
         while True:
             time.sleep(1)
 
