@@ -38,14 +38,19 @@ def build_corpus(folder: Path, mb: float, files: int = 8) -> list[Path]:
 
     texts = [d["text"] for d in build_documents(None)]
     per_copy = sum(len(t.encode()) for t in texts)
+    if mb * 1e6 < per_copy:  # a small corpus: the first documents (no repeats)
+        texts = [d["text"] for d in build_documents(int(mb * 1e6))]
     texts = texts * max(1, round(mb * 1e6 / per_copy))
     folder.mkdir(parents=True, exist_ok=True)
+    files = min(files, len(texts))  # a tiny corpus: no empty file
     step = -(-len(texts) // files)
     paths = []
     for i in range(files):
-        p = folder / f"shard-{i:03d}.parquet"
-        pq.write_table(pa.table({"text": texts[i * step : (i + 1) * step]}), p, row_group_size=1000)
-        paths.append(p)
+        part = texts[i * step : (i + 1) * step]
+        if part:
+            p = folder / f"shard-{i:03d}.parquet"
+            pq.write_table(pa.table({"text": part}), p, row_group_size=1000)
+            paths.append(p)
     return paths
 
 
