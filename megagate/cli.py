@@ -32,7 +32,7 @@ COMMANDS: dict[str, str] = {
     "export": "write a checkpoint (any TP/PP/EP layout) as a Hugging Face folder (Qwen3 / Qwen3-MoE / Qwen3-Next / paper)",
     "import": "read a Hugging Face folder (Qwen3 / Qwen3-MoE / Qwen3-Next / paper) into a checkpoint to train or analyse",
     "eval": "perplexity of checkpoints per dataset, length and position (RoPE/YaRN overrides), F-Attn/M-Act, plot",
-    "preprocess": "tokenize JSONL/text into megatron .bin/.idx datasets (parallel, streaming, atomic)",
+    "preprocess": "tokenize JSONL/Parquet/text into megatron .bin/.idx (parallel, streaming, atomic; sharded: Slurm array + merge)",
     "tokenizer": "train a byte-level BPE tokenizer, or check the fast engine against HF",
     "data": "inspect preprocessed datasets (documents, tokens, length histogram, decoded sample)",
     "variants": "list the gate presets and the paper's parameter counts",

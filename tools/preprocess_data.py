@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Tokenize JSONL/text into megatron .bin/.idx datasets: same as `megagate preprocess` (see --help)."""
+"""Tokenize JSONL/Parquet/text into megatron .bin/.idx datasets: same as `megagate preprocess` (see --help)."""
 
 import sys
 

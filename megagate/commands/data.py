@@ -14,7 +14,10 @@ from megagate.errors import MegagateError, require
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     i = sub.add_parser("inspect", help="documents, tokens, length histogram and a decoded sample of PREFIX(.bin/.idx)")
-    i.add_argument("prefix", help="dataset prefix (PREFIX.bin and PREFIX.idx)")
+    i.add_argument(
+        "prefix",
+        help="dataset prefix (PREFIX.bin and PREFIX.idx), or a sharded run's PREFIX.units/ or its manifest.json",
+    )
     i.add_argument(
         "--tokenizer", "-t", default=None, help="tokenizer to decode with (default: the one named in PREFIX.meta.json)"
     )
@@ -105,7 +108,57 @@ def _count_ending(prefix: str, dtype, lengths: np.ndarray, eod: int) -> int:
     return int(np.count_nonzero(tokens[ends] == eod))
 
 
+def inspect_units(path: str) -> dict:
+    """A sharded run's units: documents and tokens of each, every done unit's `.idx` checked against its `.bin`."""
+    from pathlib import Path
+
+    from megagate.data import units as U
+    from megagate.data.indexed import validate
+
+    udir = Path(path).parent if path.endswith(U.MANIFEST) else Path(path)
+    manifest = U.read_manifest(udir)
+    done = U.done_units(udir, manifest)
+    rows = []
+    for unit in manifest["units"]:
+        row = {"unit": unit["id"], "task": unit["task"], "input_bytes": unit["bytes"], "done": unit["id"] in done}
+        if row["done"]:
+            for key in manifest["settings"]["keys"]:
+                info = validate(f"{U.unit_prefix(udir, unit['id'])}_{key}_document")  # one line naming a bad file
+                row.setdefault("documents", info["documents"])
+                row["tokens"] = row.get("tokens", 0) + info["tokens"]
+        rows.append(row)
+    return {
+        "units_dir": str(udir),
+        "tasks": manifest["tasks"],
+        "units": rows,
+        "missing": [r["unit"] for r in rows if not r["done"]],
+    }
+
+
+def _run_units(args: argparse.Namespace) -> int:
+    stats = inspect_units(args.prefix)
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    rows = stats["units"]
+    print(
+        f"units     {stats['units_dir']}: {len(rows)} units in {stats['tasks']} tasks, {len(stats['missing'])} not done"
+    )
+    print(f"{'unit':>6} {'task':>5} {'input MB':>10} {'documents':>11} {'tokens':>13}")
+    for r in rows:
+        docs = f"{r['documents']:,}" if r["done"] else "not done"
+        toks = f"{r['tokens']:,}" if r["done"] else ""
+        print(f"{r['unit']:>6} {r['task']:>5} {r['input_bytes'] / 1e6:>10.1f} {docs:>11} {toks:>13}")
+    done = [r for r in rows if r["done"]]
+    print(
+        f"total  {sum(r['documents'] for r in done):,} documents, {sum(r['tokens'] for r in done):,} tokens in {len(done)} done units (every .idx matches its .bin)"
+    )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.prefix.rstrip("/").endswith((".units", "manifest.json")):
+        return _run_units(args)
     stats = inspect_prefix(args.prefix, args.tokenizer, args.document, args.max_chars)
     if args.json:
         print(json.dumps(stats, indent=2))

@@ -13,7 +13,7 @@ from megagate.errors import ConfigError, MegagateError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     t = sub.add_parser("train", help="train a byte-level BPE tokenizer.json from JSONL or text files")
-    t.add_argument("--input", "-i", nargs="+", required=True, help="JSONL, JSONL.gz or text files, or folders")
+    t.add_argument("--input", "-i", nargs="+", required=True, help="JSONL or text files (plain, .gz, .zst), or folders")
     t.add_argument("--output", "-o", required=True, help="tokenizer.json path, or a folder to hold one")
     t.add_argument("--vocab-size", type=int, default=32000)
     t.add_argument("--min-frequency", type=int, default=2)

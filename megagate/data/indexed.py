@@ -20,7 +20,9 @@ file and writes pointers in numpy blocks, so memory stays bounded, and produces 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,6 +132,43 @@ class IndexedWriter:
         self.documents += len(lengths)
         self.tokens += int(tokens.size)
         self.max_length = max(self.max_length, int(lengths.max()))
+
+    def append_dataset(self, prefix: str) -> None:
+        """Append every document of the dataset `prefix` (same dtype): its `.bin` copied as bytes in blocks (the
+        kernel's copy where it can), its lengths read from the `.idx` (a merge never holds a dataset in memory)."""
+        dtype, n, _ = read_index_header(prefix + ".idx")
+        if dtype != self.dtype:
+            raise MegagateError(
+                f"{prefix}.idx: tokens stored as {dtype.name}, the merged dataset uses {self.dtype.name}"
+            )
+        with name_write_errors(self.prefix + ".bin"), open(prefix + ".bin", "rb") as src:
+            self._bin.flush()
+            size = os.fstat(src.fileno()).st_size
+            copied = 0
+            try:
+                while copied < size:
+                    sent = os.copy_file_range(src.fileno(), self._bin.fileno(), size - copied)
+                    if sent == 0:
+                        break
+                    copied += sent
+            except OSError as exc:  # no in-kernel copy across these file systems: a plain block copy
+                if copied or exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                shutil.copyfileobj(src, self._bin, 16 << 20)
+                copied = size
+            if copied != size:
+                raise MegagateError(f"{prefix}.bin: changed while it was merged ({copied} of {size} bytes copied)")
+        with name_write_errors(self.prefix + ".idx"), open(prefix + ".idx", "rb") as idx:
+            idx.seek(HEADER_BYTES)
+            left, top = n, 0
+            while left:
+                lengths = np.frombuffer(idx.read(4 * min(left, _BLOCK)), dtype=np.int32)
+                self._len.write(lengths.tobytes())
+                top = max(top, int(lengths.max()))
+                self.tokens += int(lengths.sum(dtype=np.int64))
+                left -= lengths.size
+        self.documents += n
+        self.max_length = max(self.max_length, top)
 
     def add_document(self, tokens: np.ndarray) -> None:
         self.add_documents(np.asarray(tokens), np.asarray([len(tokens)]))

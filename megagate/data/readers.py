@@ -1,4 +1,5 @@
-"""Streaming input readers: JSONL, JSONL.gz, plain text (whole file or one line per document), folders.
+"""Streaming input readers: JSONL and text (plain, .gz, .zst; a text file is one document or one per line),
+Parquet (one string column per key, a row group at a time), folders and glob patterns.
 
 The reader runs in the main process and only cuts raw bytes into `Chunk`s (a few MB, with file and line
 numbers); decoding, JSON parsing and validation happen in the workers (`parse_chunk`), so the main process is
@@ -7,37 +8,33 @@ never the bottleneck and memory stays bounded by (chunk size x chunks in flight)
 
 from __future__ import annotations
 
-import gzip
+import glob
 import json
 import os
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megagate.data.formats import (
+    ALLOWED,
+    READ_ERRORS,
+    Opened,
+    check_columns,
+    input_kind,
+    iter_row_group_columns,
+    open_parquet,
+    row_group_bytes,
+)
 from megagate.errors import MegagateError, require
 
-JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-TEXT_SUFFIXES = (".txt", ".text", ".md")
 TEXT_MODES = ("file", "line")
-ALLOWED = ", ".join(s + z for s in JSONL_SUFFIXES + TEXT_SUFFIXES for z in ("", ".gz"))
-
-
-def input_kind(path: Path) -> str:
-    """'jsonl' or 'text' from the file name (a trailing .gz is allowed)."""
-    name = path.name.lower()
-    if name.endswith(".gz"):
-        name = name[:-3]
-    if name.endswith(JSONL_SUFFIXES):
-        return "jsonl"
-    if name.endswith(TEXT_SUFFIXES):
-        return "text"
-    raise MegagateError(f"input {str(path)!r}: unsupported file type (allowed: {ALLOWED})")
+__all__ = ["ALLOWED", "TEXT_MODES", "BadLine", "Chunk", "Piece", "expand_inputs", "input_kind", "iter_chunks"]
 
 
 def expand_inputs(paths: Sequence[str | os.PathLike]) -> list[Path]:
-    """Files in a fixed order: given files as listed, folders expanded recursively in sorted order."""
-    require(len(paths) > 0, "no input given (pass JSONL, JSONL.gz or text files, or folders)", MegagateError)
+    """Files in a fixed order: given files as listed, folders expanded recursively and glob patterns (``*``, ``?``,
+    ``[...]``, ``**``) expanded, each in sorted order."""
+    require(len(paths) > 0, f"no input given (pass files, folders or glob patterns: {ALLOWED})", MegagateError)
     out: list[Path] = []
     for raw in paths:
         p = Path(raw)
@@ -54,6 +51,15 @@ def expand_inputs(paths: Sequence[str | os.PathLike]) -> list[Path]:
         elif p.is_file():
             input_kind(p)  # raises on unsupported types
             out.append(p)
+        elif any(c in str(raw) for c in "*?["):
+            found = [Path(q) for q in sorted(glob.glob(str(raw), recursive=True)) if os.path.isfile(q)]
+            found = [q for q in found if _supported(q)]
+            require(
+                bool(found),
+                f"input pattern {str(raw)!r} matches no supported files (allowed: {ALLOWED})",
+                MegagateError,
+            )
+            out += found
         else:
             raise MegagateError(f"input {str(p)!r}: no such file or folder")
     return out
@@ -67,47 +73,62 @@ def _supported(p: Path) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A part of one input: the whole file, or row groups `[rg_start, rg_stop)` of a Parquet file."""
+
+    path: Path
+    rg_start: int | None = None
+    rg_stop: int | None = None
+
+
 @dataclass
 class Chunk:
-    """Raw records of one file: JSONL lines, text lines, or whole text files (`line0` = 0)."""
+    """Raw records of one file: JSONL lines, text lines, whole text files (`line0` = 0) or Parquet column values."""
 
     seq: int  # position in the stream: results are written in this order
     file: str
-    kind: str  # 'jsonl' | 'line' | 'file'
-    line0: int  # line number of records[0] (1-based); for 'file' chunks each record is its own file
-    records: list[bytes] = field(default_factory=list)
+    kind: str  # 'jsonl' | 'line' | 'file' | 'parquet'
+    line0: int  # line (or Parquet row) number of records[0] (1-based); for 'file' chunks each record is its own file
+    records: list = field(default_factory=list)  # bytes, or for 'parquet' one list of values per column
     files: list[str] = field(default_factory=list)  # for 'file' chunks: the file of each record
     nbytes: int = 0
-
-
-class _Opened:
-    """A binary line stream with the on-disk position (for ETA on compressed inputs)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.raw = open(path, "rb")
-        self.stream = gzip.GzipFile(fileobj=self.raw, mode="rb") if path.name.lower().endswith(".gz") else self.raw
-
-    def disk_pos(self) -> int:
-        return self.raw.tell()
-
-    def close(self) -> None:
-        self.stream.close()
-        self.raw.close()
+    disk_done: int = 0  # Parquet: compressed bytes of the piece's row groups read so far (for the progress line)
 
 
 def iter_chunks(
-    files: Sequence[Path], text_mode: str = "file", chunk_bytes: int = 1 << 20, on_progress=None
+    files: Sequence[Path | Piece],
+    text_mode: str = "file",
+    chunk_bytes: int = 1 << 20,
+    on_progress=None,
+    columns: Sequence[str] = ("text",),
 ) -> Iterator[Chunk]:
-    """Cut the inputs into chunks of about `chunk_bytes`; `on_progress(disk_bytes_done)` after each chunk."""
+    """Cut the inputs into chunks of about `chunk_bytes`; `on_progress(disk_bytes_done)` after each chunk.
+
+    `columns`: the Parquet columns read (one per JSON key)."""
     require(text_mode in TEXT_MODES, f"text mode {text_mode!r}: allowed values are {', '.join(TEXT_MODES)}")
     seq = 0
     done_disk = 0
     pending: Chunk | None = None  # whole-file text records batch across files
-    for path in files:
+    for item in files:
+        piece = item if isinstance(item, Piece) else Piece(Path(item))
+        path = piece.path
         kind = input_kind(path)
+        if kind == "parquet":
+            if pending is not None:
+                yield pending
+                pending = None
+            for chunk in _parquet_chunks(piece, columns, chunk_bytes, seq):
+                seq = chunk.seq + 1
+                yield chunk
+                if on_progress:
+                    on_progress(done_disk + chunk.disk_done)
+            done_disk += piece_disk_bytes(piece)
+            if on_progress:
+                on_progress(done_disk)
+            continue
         size = path.stat().st_size
-        f = _Opened(path)
+        f = Opened(path)
         try:
             if kind == "text" and text_mode == "file":
                 data = _read_all(f)
@@ -138,7 +159,7 @@ def iter_chunks(
                             if on_progress:
                                 on_progress(done_disk + f.disk_pos())
                             chunk = Chunk(seq, str(path), rec_kind, lineno)
-                except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as exc:
+                except READ_ERRORS as exc:
                     raise MegagateError(
                         f"{path}: unreadable or truncated compressed input after line {lineno - 1} ({exc})"
                     ) from None
@@ -154,10 +175,46 @@ def iter_chunks(
         yield pending
 
 
-def _read_all(f: _Opened) -> bytes:
+def piece_disk_bytes(piece: Piece) -> int:
+    """Bytes on disk a piece stands for: the file, or its row groups' compressed bytes."""
+    if piece.rg_start is None:
+        return piece.path.stat().st_size
+    sizes = row_group_bytes(open_parquet(piece.path))
+    return sum(sizes[piece.rg_start : piece.rg_stop])
+
+
+def _parquet_chunks(piece: Piece, columns: Sequence[str], chunk_bytes: int, seq: int) -> Iterator[Chunk]:
+    pf = open_parquet(piece.path)
+    check_columns(piece.path, pf, columns)
+    md = pf.metadata
+    start = piece.rg_start or 0
+    stop = md.num_row_groups if piece.rg_stop is None else piece.rg_stop
+    row0 = 1 + sum(md.row_group(g).num_rows for g in range(start))
+    sizes = row_group_bytes(pf)
+    disk = 0
+    chunk = Chunk(seq, str(piece.path), "parquet", row0, [[] for _ in columns])
+    for g, values in iter_row_group_columns(piece.path, pf, columns, start, stop):
+        disk += sizes[g]
+        n = len(values[0])
+        for i in range(0, n, 4096):  # a few thousand rows at a time keep the chunk near its size
+            part = [v[i : i + 4096] for v in values]
+            for col, vals in zip(chunk.records, part):
+                col += vals
+            chunk.nbytes += sum(len(s) for s in part[0] if s)
+            if chunk.nbytes >= chunk_bytes:
+                chunk.disk_done = disk
+                yield chunk
+                row0 += len(chunk.records[0])
+                chunk = Chunk(chunk.seq + 1, str(piece.path), "parquet", row0, [[] for _ in columns])
+    if chunk.records[0]:
+        chunk.disk_done = disk
+        yield chunk
+
+
+def _read_all(f: Opened) -> bytes:
     try:
         return f.stream.read()
-    except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as exc:
+    except READ_ERRORS as exc:
         raise MegagateError(f"{f.path}: unreadable or truncated compressed input ({exc})") from None
 
 
@@ -166,9 +223,10 @@ class BadLine:
     file: str
     line: int
     reason: str
+    row: bool = False  # a Parquet row number rather than a line number
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.reason}"
+        return f"{self.file} row {self.line}: {self.reason}" if self.row else f"{self.file}:{self.line}: {self.reason}"
 
 
 def parse_chunk(chunk: Chunk, keys: Sequence[str]) -> tuple[list[list[str]], list[BadLine], int]:
@@ -177,6 +235,8 @@ def parse_chunk(chunk: Chunk, keys: Sequence[str]) -> tuple[list[list[str]], lis
     A JSONL record is used only if every key is present, a string, and not blank — so the per-key outputs
     stay aligned document for document.
     """
+    if chunk.kind == "parquet":
+        return _parse_columns(chunk, keys)
     texts: list[list[str]] = [[] for _ in keys]
     bad: list[BadLine] = []
     blank = 0
@@ -229,3 +289,21 @@ def parse_chunk(chunk: Chunk, keys: Sequence[str]) -> tuple[list[list[str]], lis
                 continue
             texts[0].append(text)
     return texts, bad, blank
+
+
+def _parse_columns(chunk: Chunk, keys: Sequence[str]) -> tuple[list[list[str]], list[BadLine], int]:
+    """A Parquet chunk's rows: kept when every column holds non-blank text (nulls and blanks are bad records)."""
+    texts: list[list[str]] = [[] for _ in keys]
+    bad: list[BadLine] = []
+    for i, row in enumerate(zip(*chunk.records)):
+        for key, v in zip(keys, row):
+            if v is None:
+                bad.append(BadLine(chunk.file, chunk.line0 + i, f"null in column {key!r}", row=True))
+                break
+            if not v.strip():
+                bad.append(BadLine(chunk.file, chunk.line0 + i, f"empty text in column {key!r}", row=True))
+                break
+        else:
+            for t, v in zip(texts, row):
+                t.append(v)
+    return texts, bad, 0
