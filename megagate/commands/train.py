@@ -133,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
             if dog is None or isinstance(exc, KeyboardInterrupt):
                 raise
             code = dog.collateral_exit()  # a hang declared, or another rank failed first and said why
+            if code is None:  # another rank vanished without a word (killed): one line naming it, not a traceback
+                code = dog.peer_lost(exc, _resume_point(cfg.checkpoint_dir))
             if code is not None:
                 return code
             dog.publish_failure(exc)  # the other ranks exit now instead of waiting for this one in a collective
@@ -150,6 +152,17 @@ def run(args: argparse.Namespace) -> int:
             torch.distributed.destroy_process_group()
         runlock.release_all(locks)
     return 0
+
+
+def _resume_point(root: Any) -> str | None:
+    """The newest complete checkpoint under `root`: where a rerun resumes (None: there is none yet)."""
+    from megagate.checkpoint.naming import latest
+
+    try:
+        path = latest(root)
+    except OSError:
+        return None
+    return None if path is None else str(path)
 
 
 def _optimizer_line(t: Any) -> str:

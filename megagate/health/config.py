@@ -13,7 +13,9 @@
       enabled: true
       interval: 20             # steps per window (the logging rank compares the ranks at the end of each)
       margin: 0.25             # a rank computing more than (1 + margin) x the median of the others ...
-      windows: 3               # ... in this many consecutive windows is reported
+      windows: 3               # ... in this many consecutive windows is reported; so is a rank whose lateness makes
+                               # the job's step more than (1 + margin) x the step without it ...
+      late_share: 0.5          # ... when it holds more than this share of the time lost to late ranks
 
 Every refusal is one `ConfigError` naming the key and what is allowed.
 """
@@ -114,6 +116,7 @@ class StragglerConfig:
     interval: int = 20
     margin: float = 0.25
     windows: int = 3
+    late_share: float = 0.5
 
     def __post_init__(self) -> None:
         if isinstance(self.interval, bool) or self.interval < 1:
@@ -121,6 +124,11 @@ class StragglerConfig:
         _positive(self.margin, "straggler.margin")
         if isinstance(self.windows, bool) or self.windows < 1:
             raise ConfigError(f"straggler.windows={self.windows!r} must be a positive integer")
+        if not (isinstance(self.late_share, (int, float)) and 0 <= self.late_share < 1):
+            raise ConfigError(
+                f"straggler.late_share={self.late_share!r} must be a share in [0, 1): a rank cannot hold more than "
+                "all of the time lost to late ranks"
+            )
 
     @classmethod
     def from_dict(cls, values: Any) -> StragglerConfig:
