@@ -57,6 +57,9 @@ DEFAULT_FLOORS = {
 }
 
 
+MIN_HEARTBEAT_S = 0.05
+
+
 def _positive(value: float, path: str, allow_zero: bool = False) -> None:
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{path}={value!r} must be a positive number" + (" or 0" if allow_zero else ""))
@@ -88,6 +91,11 @@ class WatchdogConfig:
             raise ConfigError(f"watchdog.warmup_steps={self.warmup_steps!r} must be a non-negative integer")
         _positive(self.warmup_s, "watchdog.warmup_s")
         _positive(self.heartbeat_s, "watchdog.heartbeat_s")
+        if self.heartbeat_s < MIN_HEARTBEAT_S:  # each beat writes a file and lists a folder on a shared file system
+            raise ConfigError(
+                f"watchdog.heartbeat_s={self.heartbeat_s:g} is below {MIN_HEARTBEAT_S:g} s: the watchdog thread would "
+                "busy-loop writing progress records"
+            )
         _positive(self.grace_s, "watchdog.grace_s", allow_zero=True)
         smallest = min(self.floors.values())
         if self.heartbeat_s * 2 > smallest:

@@ -163,3 +163,31 @@ def test_late_share_gates_the_report_and_its_setting_is_checked():
     for bad in (1.0, -0.1):
         with pytest.raises(ConfigError, match=r"^straggler.late_share=.* must be a share in \[0, 1\)"):
             StragglerConfig.from_dict({"late_share": bad})
+
+
+def test_bad_files_and_settings_found_by_the_issue_are_one_line_each(tmp_path):
+    """A heartbeat that busy-loops, a frontier.json whose trials is a list, config.json fields of the wrong kind."""
+    from megagate.errors import ConfigError, MegagateError
+    from megagate.frontier.state import FrontierState
+    from megagate.health.config import WatchdogConfig
+    from megagate.interop.hf_config import model_config_from_hf
+
+    with pytest.raises(ConfigError, match=r"^watchdog.heartbeat_s=1e-06 is below 0.05 s: the watchdog thread would"):
+        WatchdogConfig(heartbeat_s=1e-6)
+    path = tmp_path / "frontier.json"
+    with pytest.raises(MegagateError, match=r"frontier.json: trials is a list, not a dict \(not a frontier state"):
+        FrontierState.from_dict({"version": 1, "trials": []}, path)
+    base = {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+        "vocab_size": 256, "max_position_embeddings": 128, "rope_theta": 10000, "rms_norm_eps": 1e-6,
+    }  # fmt: skip
+    model_config_from_hf(base)
+    for key, value, message in [
+        ("rms_norm_eps", "tiny", "config.json rms_norm_eps='tiny' must be a positive number"),
+        ("num_hidden_layers", -2, "config.json num_hidden_layers=-2 must be a positive integer"),
+        ("hidden_size", 64.5, "config.json hidden_size=64.5 must be a positive integer"),
+    ]:
+        with pytest.raises(ConfigError) as exc:
+            model_config_from_hf({**base, key: value})
+        assert str(exc.value) == message
