@@ -87,3 +87,11 @@ def test_an_output_beside_the_input_is_fine(run_dir, tmp_path):
     refuse_own_input(tmp_path / "run2", [("checkpoint", run_dir)], replaces=True)  # a shared prefix is not inside
     refuse_own_input(tmp_path, [("checkpoint", run_dir)])  # holds it, but writes files only: nothing is deleted
     assert os.path.isdir(run_dir)
+
+
+def test_train_gpu_without_dry_run_is_refused(capsys):
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
+    err = refused(["train", "--config", str(config), "--gpu", "h100"], capsys)
+    assert err.endswith("--gpu h100 applies with --dry-run only (the memory plan's GPU)"), err

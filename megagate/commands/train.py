@@ -22,7 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="world size to plan for with --dry-run (default: from the launcher environment, else 1)",
     )
-    parser.add_argument("--gpu", default="h100-sxm", help="with --dry-run: the GPU of the memory plan (megagate plan)")
+    parser.add_argument(
+        "--gpu", default=None, help="with --dry-run: the GPU of the memory plan (megagate plan; default h100-sxm)"
+    )
     parser.add_argument("--gpus-per-node", type=int, default=8, help="with --dry-run: GPUs per node of the plan")
 
 
@@ -100,9 +102,11 @@ def run(args: argparse.Namespace) -> int:
 
         # the set-up of the GPU nodes the config is written for (the layout check of the real run included)
         text = describe(resolve(cfg, world, Machine.target(cfg)))
-        predicted = plan(cfg, world, args.gpu, gpus_per_node=min(args.gpus_per_node, world))
+        predicted = plan(cfg, world, args.gpu or "h100-sxm", gpus_per_node=min(args.gpus_per_node, world))
         print(f"{text}\nmemory plan:\n{predicted.table()}")
         return 0
+    if args.gpu is not None:  # a real run trains on the devices it finds: the flag would do nothing
+        raise MegagateError(f"--gpu {args.gpu} applies with --dry-run only (the memory plan's GPU)")
     import torch
 
     from megagate.distributed import children, launch
