@@ -95,3 +95,25 @@ def test_train_gpu_without_dry_run_is_refused(capsys):
     config = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
     err = refused(["train", "--config", str(config), "--gpu", "h100"], capsys)
     assert err.endswith("--gpu h100 applies with --dry-run only (the memory plan's GPU)"), err
+
+
+def test_early_stop_rules_that_never_fire_and_a_run_that_never_saves(tmp_path, capsys):
+    from pathlib import Path
+
+    config = str(Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml")
+    dry = ["train", "--config", config, "--dry-run"]
+    err = refused([*dry, "monitor.early_stop.max_loss_spikes=2", "monitor.spike.enabled=false"], capsys)
+    assert (
+        "monitor.early_stop.max_loss_spikes=2 counts the spike monitor's events, but monitor.spike.enabled=false" in err
+    )
+    err = refused([*dry, f"monitor.early_stop.control_file={tmp_path}"], capsys)
+    assert f"monitor.early_stop.control_file={str(tmp_path)!r} is a folder: name a JSON file" in err
+    assert main([*dry, "monitor.early_stop.rungs=[[30, 5.0], [90, 4.0]]", "checkpoint.save_final=false"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: monitor.early_stop.rungs at steps [90] lie beyond train.train_steps=60" in err
+    assert "warning: checkpoint.save_final=false with checkpoint.interval=0" not in err  # interval 30 saves
+    assert main([*dry, "checkpoint.save_final=false", "checkpoint.interval=0"]) == 0
+    assert (
+        "warning: checkpoint.save_final=false with checkpoint.interval=0: this run never saves"
+        in capsys.readouterr().err
+    )
