@@ -40,6 +40,7 @@ class Arrival:
     compute_mean_s: float
     compute_p90_s: float
     others_p90_s: float  # the median of the other ranks' compute p90
+    compute_max_s: float = 0.0  # its slowest step's compute (a stall on one step in ten is above the p90)
     blame: float = 0.0  # its share of all the time lost to late ranks of the stage in the window
 
     @property
@@ -109,6 +110,7 @@ def arrivals(
             compute_mean_s=statistics.fmean(compute[r]),
             compute_p90_s=p90s[r],
             others_p90_s=statistics.median(p90s[o] for o in ranks if o != r),
+            compute_max_s=max(compute[r]),
             blame=lost[r] / total_lost if total_lost > 0 else 0.0,
         )
     return out

@@ -84,7 +84,7 @@ class LateReport:
             f"straggler: rank {self.rank} ({self.host}) arrived last in {a.last_share * 100:.0f} % of steps; the "
             f"others waited {a.lost_s * 1e3:.0f} ms/step ({a.lost_share * 100:.0f} % of the step) for it; its compute "
             f"p90 {p90_ratio:.1f}x the others' (mean {a.compute_mean_s * 1e3:.0f} ms, p90 "
-            f"{a.compute_p90_s * 1e3:.0f} ms), the job {a.slowdown:.2f}x slower for {self.windows} windows up to "
+            f"{a.compute_p90_s * 1e3:.0f} ms, slowest {a.compute_max_s * 1e3:.0f} ms), the job {a.slowdown:.2f}x slower for {self.windows} windows up to "
             f"step {self.step}"
         )
 
@@ -106,6 +106,7 @@ class LateReport:
             "compute_mean_s": a.compute_mean_s,
             "compute_p90_s": a.compute_p90_s,
             "others_p90_s": a.others_p90_s,
+            "compute_max_s": a.compute_max_s,
             "line": self.line(),
         }
 

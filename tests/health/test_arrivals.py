@@ -95,7 +95,7 @@ def test_an_intermittent_straggler_is_reported_where_the_fastest_step_sees_nothi
     )
     assert report.line() == (
         "straggler: rank 1 (h1) arrived last in 75 % of steps; the others waited 200 ms/step (61 % of the step) for "
-        "it; its compute p90 5.0x the others' (mean 300 ms, p90 500 ms), the job 2.54x slower for 2 windows up to "
+        "it; its compute p90 5.0x the others' (mean 300 ms, p90 500 ms, slowest 500 ms), the job 2.54x slower for 2 windows up to "
         "step 40"
     )
     event = report.to_dict()
