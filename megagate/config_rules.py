@@ -155,6 +155,10 @@ def _check_early_stop(cfg: TrainConfig) -> None:
             f"monitor.early_stop.max_loss_spikes={e.max_loss_spikes} counts the spike monitor's events, but "
             "monitor.spike.enabled=false: turn the monitor on or drop the rule"
         )
+    if cfg.straggler.enabled and not cfg.watchdog.enabled:
+        from megagate.console import warn
+
+        warn("straggler.enabled with watchdog.enabled=false: no straggler report (it reads the watchdog's records)")
     late = [s for s, _ in e.rungs if s > steps]
     if late:
         from megagate.console import warn
