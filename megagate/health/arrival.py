@@ -15,7 +15,9 @@ Over a window, per rank of a pipeline stage:
 - `last_share`: the share of the window's steps it arrived last in;
 - `lost_s`: the time per step (over all the window's steps) the others lost to it;
 - `slowdown`: how much longer the job's step is than it would be without that loss: step / (step - lost);
-- `blame`: its share of all the time the stage's ranks lost to late ranks in the window.
+- `blame`: its share of all the time the stage's ranks lost to late ranks in the window;
+- `late_steps`: the steps on which it made the others wait more than half the window's median step (one such step
+  is a hiccup — a rank descheduled once — not a pattern: a report needs MIN_LATE_STEPS).
 
 A rank that stalls on some steps only (a noisy neighbour, host-side pauses, a throttling GPU, a flapping link) is
 seen here while its fastest step, the steady-straggler rule's measure (megagate.health.straggler), stays normal.
@@ -29,6 +31,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+MIN_LATE_STEPS = 2  # steps of a window a rank must be late on (more than half a step) to be reported
+
 
 @dataclass(frozen=True)
 class Arrival:
@@ -41,6 +45,7 @@ class Arrival:
     compute_p90_s: float
     others_p90_s: float  # the median of the other ranks' compute p90
     compute_max_s: float = 0.0  # its slowest step's compute (a stall on one step in ten is above the p90)
+    late_steps: int = 0  # steps it made the others wait more than half the window's median step
     blame: float = 0.0  # its share of all the time lost to late ranks of the stage in the window
 
     @property
@@ -82,6 +87,7 @@ def arrivals(
     last_count = dict.fromkeys(ranks, 0)
     lost = dict.fromkeys(ranks, 0.0)
     step_times = []
+    costs: list[tuple[int, float]] = []  # (the last rank, what it cost) per step
     for s in common:
         waits = {r: steps[r][s][1] for r in ranks}
         last = min(ranks, key=lambda r: waits[r])
@@ -94,8 +100,11 @@ def arrivals(
             last = by_time
         last_count[last] += 1
         lost[last] += max(0.0, cost)
+        costs.append((last, max(0.0, cost)))
         step_times.append(statistics.median(totals.get(r, {}).get(s, steps[r][s][0] + steps[r][s][1]) for r in ranks))
     step_s = statistics.fmean(step_times)  # lost_s is a mean over the steps: so is the step it is a share of
+    typical = statistics.median(step_times)
+    late_steps = {r: sum(1 for who, c in costs if who == r and c > 0.5 * typical) for r in ranks}
     compute = {r: [steps[r][s][0] for s in common] for r in ranks}
     p90s = {r: p90(compute[r]) for r in ranks}
     out = {}
@@ -111,6 +120,7 @@ def arrivals(
             compute_p90_s=p90s[r],
             others_p90_s=statistics.median(p90s[o] for o in ranks if o != r),
             compute_max_s=max(compute[r]),
+            late_steps=late_steps[r],
             blame=lost[r] / total_lost if total_lost > 0 else 0.0,
         )
     return out

@@ -28,7 +28,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from megagate.health.arrival import Arrival, arrivals
+from megagate.health.arrival import MIN_LATE_STEPS, Arrival, arrivals
 from megagate.health.slowdown import SlowdownDetector, SlowdownReport, phase_medians
 
 
@@ -103,6 +103,7 @@ class LateReport:
             "step_s": a.step_s,
             "slowdown": a.slowdown,
             "blame": a.blame,
+            "late_steps": a.late_steps,
             "compute_mean_s": a.compute_mean_s,
             "compute_p90_s": a.compute_p90_s,
             "others_p90_s": a.others_p90_s,
@@ -212,7 +213,7 @@ class StragglerDetector:
             self._streak[rank] = self._streak.get(rank, 0) + 1 if slow else 0
             streak = self._streak[rank]
             costly = rank in late and not slow and late[rank].slowdown > 1.0 + self.margin
-            costly = costly and late[rank].blame > self.late_share
+            costly = costly and late[rank].blame > self.late_share and late[rank].late_steps >= MIN_LATE_STEPS
             self._late[rank] = self._late.get(rank, 0) + 1 if costly else 0
             w = by_rank[rank]
             if slow and streak % self.windows == 0:

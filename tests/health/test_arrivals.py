@@ -60,6 +60,7 @@ def test_the_last_to_arrive_and_what_it_costs():
     assert late.compute_mean_s == pytest.approx(0.3) and late.compute_p90_s == pytest.approx(0.5)
     assert late.others_p90_s == pytest.approx(0.1) and other.slowdown == pytest.approx(1.0, abs=1e-3)
     assert p90([1, 2, 3, 4, 5, 6, 7, 8, 9, 10]) == 9 and p90([3.0]) == 3.0
+    assert late.late_steps == 10 and other.late_steps == 0  # 0.4 s each > half the median step (0.33 s / 2)
     # the same steps without entry times (the wait gap alone): the same figures
     steps, totals, _ = window(stalled(1, 20))
     assert arrivals(steps, totals)[1].lost_s == pytest.approx(late.lost_s)
@@ -105,6 +106,16 @@ def test_an_intermittent_straggler_is_reported_where_the_fastest_step_sees_nothi
     det = StragglerDetector(margin=0.25, windows=1)
     summary = det.observe(stalled(1, 20, stall_every=10, stall=0.1))
     assert summary.reports == () and 1.0 < summary.costs[1] < 1.25
+
+
+def test_one_late_step_is_a_hiccup_not_a_pattern():
+    # one stall of 1 s in a window of 4 steps of 0.13 s: the job 3x slower over the window, but a rank descheduled
+    # once (a loaded machine) is no intermittent straggler
+    det = StragglerDetector(margin=0.25, windows=1)
+    summary = det.observe(stalled(1, 4, stall_every=4, stall=1.0))
+    assert summary.costs[1] > 2.5 and summary.reports == ()
+    (report,) = det.observe(stalled(5, 12, stall_every=4, stall=1.0)).reports  # two in a window: reported
+    assert report.arrival.late_steps == 2
 
 
 def test_a_rank_slow_on_every_step_stays_the_steady_report():
