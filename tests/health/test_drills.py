@@ -86,7 +86,10 @@ def wait_for_step(proc: Job, out: Path, rank: int, step: int, timeout: float = 3
     while time.monotonic() < deadline and proc.poll() is None:
         folders = F.launches(out)
         path = folders[-1] / f"rank{rank:05d}.json" if folders else None
-        record = channel.read_json(path) if path is not None and path.exists() else None
+        try:
+            record = json.loads(path.read_text()) if path is not None else None
+        except (OSError, ValueError):  # not written yet (records are renamed into place: never half a file)
+            record = None
         if record is not None and record["step"] >= step:
             return record
         time.sleep(0.05)
