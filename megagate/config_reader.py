@@ -70,6 +70,11 @@ def check_environment(cfg: TrainConfig) -> None:
     files on disk and intact, output/checkpoint/cache folders usable, the data cache intact. The perf rules of its
     GPU are judged where its settings are resolved for it, once (`megagate.run_setup.resolve`)."""
     t, d = cfg.train, cfg.data
+    control = cfg.monitor.early_stop.control_file
+    if control is not None and os.path.isdir(control):
+        raise ConfigError(
+            f"monitor.early_stop.control_file={control!r} is a folder: name a JSON file (it may not exist yet)"
+        )
     if t.precision == "fp8":
         from megagate.model.kernels import transformer_engine_available
 

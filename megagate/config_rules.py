@@ -53,6 +53,7 @@ def check_rules(cfg: TrainConfig) -> None:
     _check_optimizer(t)
     _check_muon(cfg)
     _check_cadence(cfg)
+    _check_early_stop(cfg)
     _check_split(cfg.data.split)
     if not 0 <= cfg.seed <= SEED_MAX:  # numpy's and megatron's RNG seeds are 32-bit unsigned
         raise ConfigError(f"seed={cfg.seed} must be in [0, {SEED_MAX}]")
@@ -150,6 +151,33 @@ def _check_cadence(cfg: TrainConfig) -> None:
     if d.demo_vocab_size < 259 or d.demo_max_bytes < 1:
         raise ConfigError(
             f"data.demo_vocab_size={d.demo_vocab_size} must be >= 259 and data.demo_max_bytes={d.demo_max_bytes} >= 1"
+        )
+
+
+def _check_early_stop(cfg: TrainConfig) -> None:
+    """Early-stop rules that could never fire, and a run that never saves: refused or said, one line each."""
+    e, steps = cfg.monitor.early_stop, cfg.train.train_steps
+    # (0 with the monitor off is what a frontier trial sets by default: allowed, as megagate.frontier.spec does)
+    if e.max_loss_spikes and not cfg.monitor.spike.enabled:
+        raise ConfigError(
+            f"monitor.early_stop.max_loss_spikes={e.max_loss_spikes} counts the spike monitor's events, but "
+            "monitor.spike.enabled=false: turn the monitor on or drop the rule"
+        )
+    if cfg.straggler.enabled and not cfg.watchdog.enabled:
+        from megagate.console import warn
+
+        warn("straggler.enabled with watchdog.enabled=false: no straggler report (it reads the watchdog's records)")
+    late = [s for s, _ in e.rungs if s > steps]
+    if late:
+        from megagate.console import warn
+
+        warn(f"monitor.early_stop.rungs at steps {late} lie beyond train.train_steps={steps}: they never judge the run")
+    if not cfg.checkpoint.save_final and cfg.checkpoint.interval == 0:
+        from megagate.console import warn
+
+        warn(
+            "checkpoint.save_final=false with checkpoint.interval=0: this run never saves a checkpoint (a stop or a "
+            "failure leaves nothing to resume from)"
         )
 
 

@@ -9,7 +9,8 @@ under the name a reader looks for:
     with atomic_dir(out) as tmp:    a whole folder (an export, an import), replacing `out`
     publish_dir(tmp, out)           the folder rename on its own (a collective checkpoint save renames on rank 0)
 
-`check_writable_dir` refuses, in one line, a folder that is a file or not writable before a long job starts.
+`check_writable_dir` refuses, in one line, a folder that is a file or not writable before a long job starts;
+`refuse_own_input` an output that is, lies inside or (when replaced whole) holds what the command reads.
 Layer 0: no torch, nothing of megagate but its errors.
 """
 
@@ -98,3 +99,34 @@ def check_writable_dir(path: str | os.PathLike, what: str) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         where = "" if probe == path else f" (its first existing folder {probe!r} is not)"
         raise MegagateError(f"{what} {path!r} is not writable{where}")
+
+
+def refuse_own_input(
+    out: str | os.PathLike,
+    inputs: Iterator[tuple[str, str | os.PathLike | None]] | list[tuple[str, str | os.PathLike | None]],
+    *,
+    flag: str = "--out",
+    replaces: bool = False,
+) -> None:
+    """Refuse, in one line, an output that would destroy or change what the command reads: `out` is one of the
+    `inputs` ((label, path); None skipped), lies inside one, or — when the command replaces `out` whole (`replaces`:
+    an export, an import, a --force) — holds one. Paths are compared resolved (symlinks followed, `..` removed)."""
+    if not str(out):
+        raise MegagateError(f"{flag} '' is empty: give a path")
+    target = Path(out).resolve()
+    for label, path in inputs:
+        if path is None or not str(path):
+            continue
+        source = Path(path).resolve()
+        if target == source:
+            raise MegagateError(f"{flag} {str(out)!r} is the input {label} {str(path)!r}: choose another {flag}")
+        if target.is_relative_to(source):
+            raise MegagateError(
+                f"{flag} {str(out)!r} lies inside the input {label} {str(path)!r} (writing there would change it): "
+                f"choose a {flag} outside it"
+            )
+        if replaces and source.is_relative_to(target):
+            raise MegagateError(
+                f"{flag} {str(out)!r} holds the input {label} {str(path)!r} (replacing {flag} would delete it): "
+                f"choose a {flag} that does not contain it"
+            )

@@ -1,6 +1,7 @@
 """The cluster-health section of `megagate report`: what each run's health.jsonl recorded (megagate.health.channel).
 
-One line per event, per run: straggler reports (rank, host, how much slower, the window), hangs (the diagnosis),
+One line per event, per run: straggler reports (rank, host, how much slower or how often last, the window), job
+slowdowns, hangs (the diagnosis),
 failures of one rank (rank, host, phase, error), and the faults a drill injected.
 """
 
@@ -14,6 +15,8 @@ from megagate.health import channel
 
 def _describe(event: dict) -> str:
     kind = event.get("kind")
+    if kind in ("straggler", "slowdown") and event.get("line"):  # intermittent stragglers, slowdowns: their line
+        return f"step {event.get('step')}: {event['line'].split(': ', 1)[-1]}"
     if kind == "straggler":
         return (
             f"step {event.get('step')}: rank {event.get('rank')} ({event.get('host')}) computes "
@@ -42,6 +45,7 @@ def health_section(run_dirs: Sequence[str | Path], names: Sequence[str]) -> str:
             rows.append(f"  {name}  {event.get('kind', '?'):<9}  {_describe(event)}")
     if not rows:
         return ""
-    return "\n\ncluster health (health.jsonl: stragglers, hangs, one-rank failures, injected faults):\n" + "\n".join(
-        rows
+    return (
+        "\n\ncluster health (health.jsonl: stragglers, slowdowns, hangs, one-rank failures, injected faults):\n"
+        + "\n".join(rows)
     )

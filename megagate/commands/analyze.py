@@ -88,6 +88,10 @@ def load_model_for_analysis(
 
 
 def run(args: argparse.Namespace) -> int:
+    from megagate.files import refuse_own_input
+
+    inputs = [("checkpoint", args.checkpoint), ("--text", args.text)]
+    refuse_own_input(args.out, inputs, replaces=getattr(args, "force", False))
     if args.seq_len < 2 or args.batch < 1:
         raise MegagateError(f"--seq-len {args.seq_len} must be >= 2 and --batch {args.batch} >= 1")
     if args.text is not None and not Path(args.text).is_file():

@@ -30,6 +30,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--budget-s {args.budget_s}: calibration needs at least {MIN_BUDGET_S:.0f} seconds")
     if args.ranks is not None and args.ranks < 1:
         raise ConfigError(f"--ranks {args.ranks}: must be >= 1")
+    if not args.out:
+        raise ConfigError("--out '' is empty: give a file name for the profile")
     if os.path.isdir(args.out):
         raise ConfigError(f"--out {args.out!r} is a folder; give a file name for the profile")
     folder = os.path.dirname(os.path.abspath(args.out))

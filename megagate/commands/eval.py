@@ -53,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from megagate.errors import MegagateError
     from megagate.evaluate import options
+    from megagate.files import refuse_own_input
+
+    inputs = [("checkpoint", c) for c in args.checkpoints]
+    refuse_own_input(args.out, inputs, replaces=getattr(args, "force", False))
 
     for flag, value, low in (
         ("--samples", args.samples, 1),

@@ -23,7 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megagate.files import refuse_own_input
     from megagate.interop.hf_io import export_checkpoint
+
+    refuse_own_input(args.out, [("checkpoint", args.checkpoint)], replaces=True)  # --force must not eat the input
 
     export_checkpoint(
         args.checkpoint,

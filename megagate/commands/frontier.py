@@ -187,6 +187,9 @@ def _start(args: argparse.Namespace) -> Path:
     """Check everything, then create (or reopen) the search's state. Nothing is written before the checks pass."""
     spec = _spec(args)
     backend = _backend(args)
+    from megagate.files import refuse_own_input
+
+    refuse_own_input(args.out, [("--config", args.config)])
     out = Path(args.out)
     world = 1
     if backend["kind"] == "slurm":  # each array task runs nodes x ranks per node

@@ -19,7 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megagate.files import refuse_own_input
     from megagate.interop.hf_io import import_hf
+
+    refuse_own_input(args.out, [("folder", args.hf_dir), ("--config", args.config)], replaces=True)
 
     import_hf(args.hf_dir, args.out, args.format, config=args.config, force=args.force)
     return 0

@@ -85,6 +85,13 @@ def _options(args: argparse.Namespace):
 
     if not math.isfinite(args.chunk_mb) or args.chunk_mb <= 0:
         raise MegagateError(f"--chunk-mb {args.chunk_mb}: must be a positive number of megabytes")
+    from megagate.files import refuse_own_input
+
+    # an output file must not be an input file or the tokenizer (--overwrite would replace what is being read)
+    inputs = [("--input", p) for p in args.input if os.path.isfile(p)] + [("--tokenizer", args.tokenizer)]
+    for key in args.json_keys:
+        for suffix in (".bin", ".idx"):
+            refuse_own_input(f"{args.output_prefix}_{key}_document{suffix}", inputs, flag="--output-prefix")
     spec = TokenizerSpec(args.tokenizer, args.engine, args.eod_token, None, args.tiktoken_pattern)
     opts = check_options(
         args.json_keys, args.append_eod, args.workers, args.text_mode, args.bad_lines, int(args.chunk_mb * (1 << 20))

@@ -57,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from megagate.files import refuse_own_input
+
+    if args.out is not None:
+        refuse_own_input(args.out, [("run", r) for r in args.runs], replaces=getattr(args, "force", False))
+
     from megagate.frontier.report import frontier_dirs, write_report
 
     rule = SpikeRule(DEFAULT_RULE.window, DEFAULT_RULE.min_history, args.spike_k, args.spike_delta)

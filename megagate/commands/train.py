@@ -166,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
         predicted = plan(cfg, world, gpu, gpus_per_node=min(args.gpus_per_node, world))
         print(f"memory plan:\n{predicted.table()}")
         return 0
+    if args.gpu is not None:  # a real run trains on the devices it finds: the flag would do nothing
+        raise MegagateError(f"--gpu {args.gpu} applies with --dry-run only (the memory plan's GPU)")
     from megagate.distributed import children, parallel
     from megagate.health import watchdog
     from megagate.health.progress import PROGRESS
@@ -192,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
                 if dog is None or isinstance(exc, KeyboardInterrupt):
                     raise
                 code = dog.collateral_exit()  # a hang declared, or another rank failed first and said why
+                if code is None:  # another rank vanished without a word (killed): one line naming it, not a traceback
+                    code = dog.peer_lost(exc, _resume_point(cfg.checkpoint_dir))
                 if code is not None:
                     return code
                 dog.publish_failure(exc)  # the other ranks exit now instead of waiting for this one in a collective
@@ -204,6 +208,17 @@ def run(args: argparse.Namespace) -> int:
             children.shutdown()
             runlock.release_all(locks)  # local files only: before the process group's teardown is fine
     return 0
+
+
+def _resume_point(root: Any) -> str | None:
+    """The newest complete checkpoint under `root`: where a rerun resumes (None: there is none yet)."""
+    from megagate.checkpoint.naming import latest
+
+    try:
+        path = latest(root)
+    except OSError:
+        return None
+    return None if path is None else str(path)
 
 
 def _optimizer_line(t: Any) -> str:

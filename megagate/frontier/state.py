@@ -86,6 +86,11 @@ class FrontierState:
     def from_dict(cls, d: dict[str, Any], path: Path) -> FrontierState:
         if d.get("version") != VERSION:
             raise MegagateError(f"{path}: frontier state version {d.get('version')!r} is not {VERSION}")
+        for key, kind in (("trials", dict), ("rounds", list)):
+            if key in d and not isinstance(d[key], kind):
+                raise MegagateError(
+                    f"{path}: {key} is a {type(d[key]).__name__}, not a {kind.__name__} (not a frontier state file)"
+                )
         try:
             return cls(
                 spec=FrontierSpec.from_dict(d["spec"]),
@@ -95,7 +100,7 @@ class FrontierState:
                 done=bool(d["done"]),
                 stop_reason=d.get("stop_reason"),
             )
-        except (ConfigError, KeyError, TypeError, ValueError) as exc:
+        except (ConfigError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise MegagateError(f"{path}: not a frontier state file ({type(exc).__name__}: {exc})") from None
 
     def of_variant(self, variant: str) -> Iterator[tuple[str, Trial]]:

@@ -5,6 +5,7 @@
     <output.dir>/watchdog/<launch>/stacks-rank00003.txt   rank 3's Python stacks (all threads) at the hang
     <output.dir>/watchdog/<launch>/diagnosis.json         the hang's diagnosis (written by one rank)
     <output.dir>/watchdog/<launch>/failed-rank00003.json  rank 3's fatal error (the others exit when they see it)
+    <output.dir>/watchdog/<launch>/lost.json              a rank that vanished: the line every survivor prints
     <output.dir>/health.jsonl                             the run's health events: hangs, failures, stragglers,
                                                           injected faults (one JSON line each, appended)
 
@@ -23,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ WATCHDOG_DIR = "watchdog"
 HEALTH_EVENTS = "health.jsonl"
 HANG = "hang.json"
 DIAGNOSIS = "diagnosis.json"
+LOST = "lost.json"
 KEEP_LAUNCHES = 10
 # The batch script's file for this attempt's failure reason (megagate.slurm.render exports it)
 FAILURE_FILE_ENV = "MEGAGATE_FAILURE_FILE"
@@ -158,6 +161,25 @@ class Channel:
 
     def diagnosis(self) -> dict | None:
         return read_json(self.dir / DIAGNOSIS)
+
+    # --- a vanished rank -------------------------------------------------------------------------------------------
+    def claim_lost(self, event: dict) -> bool:
+        """Publish the vanished rank's line as lost.json unless a survivor did first (True: this rank's is it).
+        Written whole under a temporary name, then linked: a reader never sees it half-written."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{LOST}.", suffix=".tmp", dir=self.dir)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(event, f)
+            os.link(tmp, self.dir / LOST)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    def lost(self) -> dict | None:
+        return read_json(self.dir / LOST)
 
     # --- failures --------------------------------------------------------------------------------------------------
     def publish_failure(self, record: dict) -> None:

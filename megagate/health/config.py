@@ -13,7 +13,9 @@
       enabled: true
       interval: 20             # steps per window (the logging rank compares the ranks at the end of each)
       margin: 0.25             # a rank computing more than (1 + margin) x the median of the others ...
-      windows: 3               # ... in this many consecutive windows is reported
+      windows: 3               # ... in this many consecutive windows is reported; so is a rank whose lateness makes
+                               # the job's step more than (1 + margin) x the step without it ...
+      late_share: 0.5          # ... when it holds more than this share of the time lost to late ranks
 
 Every refusal is one `ConfigError` naming the key and what is allowed.
 """
@@ -55,6 +57,9 @@ DEFAULT_FLOORS = {
 }
 
 
+MIN_HEARTBEAT_S = 0.05
+
+
 def _positive(value: float, path: str, allow_zero: bool = False) -> None:
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{path}={value!r} must be a positive number" + (" or 0" if allow_zero else ""))
@@ -86,6 +91,11 @@ class WatchdogConfig:
             raise ConfigError(f"watchdog.warmup_steps={self.warmup_steps!r} must be a non-negative integer")
         _positive(self.warmup_s, "watchdog.warmup_s")
         _positive(self.heartbeat_s, "watchdog.heartbeat_s")
+        if self.heartbeat_s < MIN_HEARTBEAT_S:  # each beat writes a file and lists a folder on a shared file system
+            raise ConfigError(
+                f"watchdog.heartbeat_s={self.heartbeat_s:g} is below {MIN_HEARTBEAT_S:g} s: the watchdog thread would "
+                "busy-loop writing progress records"
+            )
         _positive(self.grace_s, "watchdog.grace_s", allow_zero=True)
         smallest = min(self.floors.values())
         if self.heartbeat_s * 2 > smallest:
@@ -114,6 +124,7 @@ class StragglerConfig:
     interval: int = 20
     margin: float = 0.25
     windows: int = 3
+    late_share: float = 0.5
 
     def __post_init__(self) -> None:
         if isinstance(self.interval, bool) or self.interval < 1:
@@ -121,6 +132,11 @@ class StragglerConfig:
         _positive(self.margin, "straggler.margin")
         if isinstance(self.windows, bool) or self.windows < 1:
             raise ConfigError(f"straggler.windows={self.windows!r} must be a positive integer")
+        if not (isinstance(self.late_share, (int, float)) and 0 <= self.late_share < 1):
+            raise ConfigError(
+                f"straggler.late_share={self.late_share!r} must be a share in [0, 1): a rank cannot hold more than "
+                "all of the time lost to late ranks"
+            )
 
     @classmethod
     def from_dict(cls, values: Any) -> StragglerConfig:

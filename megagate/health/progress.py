@@ -6,7 +6,8 @@ to the run folder (megagate.health.channel); nothing else leaves the process.
 
 Per rank it keeps the step times of the last steps (their median sizes the watchdog's limits), the duration of the
 last save / load / evaluation, and, for each of the last steps, the seconds in `forward_backward` (compute) and in
-`grad_sync` (waiting for the other ranks in megatron's gradient reduction): the straggler report's input.
+`grad_sync` (waiting for the other ranks in megatron's gradient reduction) and the whole step's time: the straggler
+and slowdown reports' input.
 
 Listeners (fault injection: a hang, a slow rank) may be registered for phase entries; none are in a normal run.
 """
@@ -44,6 +45,8 @@ class Snapshot:
     last_s: dict  # phase -> duration of its last completed occurrence (save, load, evaluation)
     counts: dict  # phase -> its completed occurrences in this launch (save, load, evaluation)
     recent: tuple  # (step, compute s, wait s) of the last timed steps: forward_backward, grad_sync
+    totals: tuple = ()  # (step, seconds) of the last completed steps: data start to the update applied
+    arrivals: tuple = ()  # (step, time.time()) of the last steps' entries into grad_sync: who came last
 
 
 class Progress:
@@ -66,6 +69,8 @@ class Progress:
         self._counts: dict[str, int] = {}
         self._compute = 0.0  # this step's forward_backward time so far
         self._recent: deque[tuple[int, float, float]] = deque(maxlen=TIMED_HISTORY)
+        self._totals: deque[tuple[int, float]] = deque(maxlen=TIMED_HISTORY)
+        self._arrivals: deque[tuple[int, float]] = deque(maxlen=TIMED_HISTORY)
 
     # --- the trainer's side (hot path) -----------------------------------------------------------------------------
     def enter(self, phase: str, step: int | None = None) -> None:
@@ -76,6 +81,8 @@ class Progress:
             previous = self.phase
             if previous == "forward_backward":
                 self._compute = spent
+            if phase == "grad_sync":  # wall clock: compared across ranks (hosts' clocks agree to a few ms)
+                self._arrivals.append((self.step if step is None else step, time.time()))
             elif previous == "grad_sync":
                 self._recent.append((self.step, self._compute, spent))
             elif previous in TIMED_PHASES and previous not in RECORDED_PHASES:
@@ -97,6 +104,7 @@ class Progress:
         now = time.monotonic()
         if self._step_began is not None:
             self._step_times.append(now - self._step_began)
+            self._totals.append((self.step, now - self._step_began))
             self.steps_done += 1
             self._step_began = None
         self.enter("after_step")
@@ -124,6 +132,8 @@ class Progress:
                 last_s=dict(self._last),
                 counts=dict(self._counts),
                 recent=tuple(self._recent),
+                totals=tuple(self._totals),
+                arrivals=tuple(self._arrivals),
             )
 
     def add_listener(self, listener: Listener) -> None:

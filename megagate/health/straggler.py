@@ -12,13 +12,24 @@ of the same pipeline stage (stages compute different layers; with two ranks the 
 gap). A rank above (1 + margin) x that median in `windows` consecutive windows
 is reported, and again every `windows` windows while it stays slow. A slow rank makes the others wait: their
 `grad_sync` time grows while its own stays short, which the report shows too.
+
+A rank slow on some steps only (a stall that comes and goes) keeps a normal fastest step; it is seen by who the
+others wait for (megagate.health.arrival): a rank whose lateness makes the job's step more than (1 + margin) x the
+step without it, in `windows` consecutive windows, is reported with the share of steps it arrived last, the others'
+lost time and its compute mean and p90 (an `intermittent` straggler; a rank both slow on every step and late is
+reported as the steady one). Every rank slower alike is no straggler: megagate.health.slowdown compares the job's
+step with its own early steps. A rank the others wait for must also hold more than `late_share` of all the
+time lost to late ranks in the window: noise (a rank descheduled on a loaded machine) moves from rank to rank.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from megagate.health.arrival import MIN_LATE_STEPS, Arrival, arrivals
+from megagate.health.slowdown import SlowdownDetector, SlowdownReport, phase_medians
 
 
 @dataclass(frozen=True)
@@ -52,14 +63,66 @@ class StragglerReport:
         )
 
     def to_dict(self) -> dict:
-        return {"kind": "straggler", **{k: getattr(self, k) for k in self.__dataclass_fields__}}
+        return {"kind": "straggler", "pattern": "steady", **{k: getattr(self, k) for k in self.__dataclass_fields__}}
+
+
+@dataclass(frozen=True)
+class LateReport:
+    """A rank the others wait for on many steps though its fastest step is normal (an intermittent straggler)."""
+
+    step: int  # the last step of the window
+    rank: int
+    host: str
+    arrival: Arrival
+    ratio: float  # its fastest compute / the others' (under the margin: else it is a steady straggler)
+    windows: int
+
+    def line(self) -> str:
+        a = self.arrival
+        p90_ratio = a.compute_p90_s / a.others_p90_s if a.others_p90_s > 0 else float("inf")
+        return (
+            f"straggler: rank {self.rank} ({self.host}) arrived last in {a.last_share * 100:.0f} % of steps; the "
+            f"others waited {a.lost_s * 1e3:.0f} ms/step ({a.lost_share * 100:.0f} % of the step) for it; its compute "
+            f"p90 {p90_ratio:.1f}x the others' (mean {a.compute_mean_s * 1e3:.0f} ms, p90 "
+            f"{a.compute_p90_s * 1e3:.0f} ms, slowest {a.compute_max_s * 1e3:.0f} ms), the job {a.slowdown:.2f}x slower for {self.windows} windows up to "
+            f"step {self.step}"
+        )
+
+    def to_dict(self) -> dict:
+        a = self.arrival
+        return {
+            "kind": "straggler",
+            "pattern": "intermittent",
+            "step": self.step,
+            "rank": self.rank,
+            "host": self.host,
+            "ratio": self.ratio,
+            "windows": self.windows,
+            "last_share": a.last_share,
+            "lost_s": a.lost_s,
+            "step_s": a.step_s,
+            "slowdown": a.slowdown,
+            "blame": a.blame,
+            "late_steps": a.late_steps,
+            "compute_mean_s": a.compute_mean_s,
+            "compute_p90_s": a.compute_p90_s,
+            "others_p90_s": a.others_p90_s,
+            "compute_max_s": a.compute_max_s,
+            "line": self.line(),
+        }
 
 
 @dataclass(frozen=True)
 class WindowSummary:
     step: int  # the window's last step (0: no new window)
     ratios: dict  # rank -> compute ratio against the others of its stage
-    reports: tuple[StragglerReport, ...]
+    reports: tuple[StragglerReport | LateReport, ...]
+    costs: dict = field(default_factory=dict)  # rank -> the job's slowdown from its lateness (Arrival.slowdown)
+    slowdown: SlowdownReport | None = None  # every rank slower alike than the run's early steps
+
+    @property
+    def costliest(self) -> tuple[int, float] | None:
+        return max(self.costs.items(), key=lambda kv: kv[1]) if self.costs else None
 
     @property
     def slowest(self) -> tuple[int, float] | None:
@@ -70,13 +133,22 @@ def _steps(record: Mapping) -> list[tuple[int, float, float]]:
     return [(int(s), float(c), float(w)) for s, c, w in record.get("recent") or []]
 
 
+def _pairs(record: Mapping, key: str) -> dict[int, float]:
+    return {int(s): float(t) for s, t in record.get(key) or []}
+
+
 class StragglerDetector:
     """Progress records in, straggler reports out."""
 
-    def __init__(self, margin: float, windows: int, min_steps: int = 1) -> None:
-        self.margin, self.windows, self.min_steps = margin, windows, min_steps
+    def __init__(self, margin: float, windows: int, min_steps: int = 1, late_share: float = 0.5) -> None:
+        self.margin, self.windows, self.min_steps, self.late_share = margin, windows, min_steps, late_share
         self._last_step = 0  # the previous window's last step
         self._streak: dict[int, int] = {}
+        self._late: dict[int, int] = {}  # rank -> consecutive windows its lateness cost the job over the margin
+        self._steps: dict[int, dict[int, tuple[float, float]]] = {}  # the window's (compute, wait) per rank
+        self._totals: dict[int, dict[int, float]] = {}
+        self._entered: dict[int, dict[int, float]] = {}
+        self.slowdown = SlowdownDetector(margin, windows)
 
     def _window(self, records: Mapping[int, Mapping]) -> tuple[int, list[RankWindow]]:
         steps = {rank: _steps(rec) for rank, rec in records.items()}
@@ -87,8 +159,16 @@ class StragglerDetector:
         if end - self._last_step < max(1, self.min_steps):
             return self._last_step, []
         out = []
+        self._steps, self._totals, self._entered = {}, {}, {}
         for rank, entries in steps.items():
             inside = [(c, w) for s, c, w in entries if self._last_step < s <= end]
+            self._steps[rank] = {s: (c, w) for s, c, w in entries if self._last_step < s <= end}
+            self._totals[rank] = {
+                s: t for s, t in _pairs(records[rank], "totals").items() if self._last_step < s <= end
+            }
+            self._entered[rank] = {
+                s: t for s, t in _pairs(records[rank], "arrivals").items() if self._last_step < s <= end
+            }
             if inside:
                 rec = records[rank]
                 out.append(
@@ -123,16 +203,28 @@ class StragglerDetector:
                 if median > 0:
                     ratios[w.rank] = w.compute_s / median
                     others_of[w.rank] = (median, statistics.median(o.wait_s for o in others))
-        reports = []
+        late: dict[int, Arrival] = {}
+        for group in by_stage.values():
+            late.update(arrivals({w.rank: self._steps[w.rank] for w in group}, self._totals, self._entered))
+        reports: list[StragglerReport | LateReport] = []
         by_rank = {w.rank: w for w in windows}
         for rank in sorted(ratios):
             slow = ratios[rank] > 1.0 + self.margin
             self._streak[rank] = self._streak.get(rank, 0) + 1 if slow else 0
             streak = self._streak[rank]
+            costly = rank in late and not slow and late[rank].slowdown > 1.0 + self.margin
+            costly = costly and late[rank].blame > self.late_share and late[rank].late_steps >= MIN_LATE_STEPS
+            self._late[rank] = self._late.get(rank, 0) + 1 if costly else 0
+            w = by_rank[rank]
             if slow and streak % self.windows == 0:
-                w = by_rank[rank]
                 median, others_wait = others_of[rank]
                 reports.append(
                     StragglerReport(end, rank, w.host, ratios[rank], w.compute_s, median, w.wait_s, others_wait, streak)
                 )
-        return WindowSummary(end, ratios, tuple(reports))
+            elif costly and self._late[rank] % self.windows == 0:
+                reports.append(LateReport(end, rank, w.host, late[rank], ratios[rank], self._late[rank]))
+        # the job as a whole against its early steps; not when a rank explains it (slow, or late at a cost)
+        culprit = any(self._streak.get(r) or self._late.get(r) for r in ratios)
+        slowdown = self.slowdown.observe(end, phase_medians(self._steps, self._totals), explained=culprit)
+        costs = {r: a.slowdown for r, a in late.items()}
+        return WindowSummary(end, ratios, tuple(reports), costs, slowdown)

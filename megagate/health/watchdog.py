@@ -19,6 +19,11 @@ A rank whose run failed (an exception leaving `megagate train` mid-run) publishe
 (`publish_failure`); the other ranks exit as soon as their thread sees it (PEER_EXIT_CODE, nothing printed: the
 failing rank printed the one line), instead of waiting in a collective for a rank that is gone.
 
+A rank that vanished without a word (SIGKILL, often the OOM killer; a lost node) breaks the others' collectives
+("Connection closed by peer"). Each surviving rank then names it (`peer_lost`): a rank on this host whose process is
+gone, or a rank whose record stopped changing; the first survivor to decide writes lost.json and every survivor
+prints that one line, and exits with PEER_LOST_EXIT_CODE (not HANG_EXIT_CODE, not a failure of its own).
+
 If the main thread holds the GIL while stuck (a C extension that never releases it), this thread cannot run: a
 faulthandler timer, re-armed at every heartbeat, dumps the stacks to stderr and exits the process after the limit.
 """
@@ -40,10 +45,12 @@ from megagate.health import stacks
 from megagate.health.channel import Channel, append_event, describe, launch_name, write_failure_file
 from megagate.health.config import WatchdogConfig
 from megagate.health.diagnosis import diagnose, lost_a_peer
+from megagate.health.lost import vanished_line
 from megagate.health.progress import PROGRESS, TIMED_PHASES, Snapshot
 
 HANG_EXIT_CODE = 75  # EX_TEMPFAIL: the job may succeed when rerun (requeued)
 PEER_EXIT_CODE = 2  # another rank failed and printed why
+PEER_LOST_EXIT_CODE = 76  # another rank's process vanished without a word (killed: SIGKILL, the OOM killer, a node)
 BACKSTOP_MARGIN_S = 30.0
 
 
@@ -71,6 +78,23 @@ def _process_start(pid: int) -> str | None:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return None
+
+
+def _gone_here(records: dict, me: int) -> list[int]:
+    """Ranks on this host whose process is gone (or is another process now)."""
+    here = socket.gethostname()
+    gone = []
+    for rank, rec in sorted(records.items()):
+        pid = rec.get("pid")
+        if rank != me and rec.get("pid_host") == here and isinstance(pid, int):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                fields = []
+            # gone, another process now, or dead and not yet reaped by its launcher (a zombie)
+            if len(fields) < 20 or fields[19] != rec.get("pid_start") or fields[0] in ("Z", "X"):
+                gone.append(rank)
+    return gone
 
 
 class Watchdog:
@@ -153,6 +177,33 @@ class Watchdog:
             return HANG_EXIT_CODE
         return PEER_EXIT_CODE if failed else None
 
+    def peer_lost(self, error: BaseException, resume_from: str | None) -> int | None:
+        """PEER_LOST_EXIT_CODE after one line naming the rank that vanished, when `error` only says a peer is gone
+        (None: this rank's own error). `resume_from`: the checkpoint a rerun starts from (None: from scratch)."""
+        if not lost_a_peer(error) or self.world_size == 1:
+            return None
+        event = self.channel.lost()
+        if event is None:
+            before = self.channel.records()
+            gone = _gone_here(before, self.rank)
+            after = before
+            if not gone:  # on another host: a rank whose record stops changing over a few heartbeats
+                settle = time.monotonic() + 2.5 * self.cfg.heartbeat_s + 0.5
+                while time.monotonic() < settle and self.channel.lost() is None:
+                    time.sleep(self.cfg.heartbeat_s / 4)
+                after = self.channel.records()
+            event = self.channel.lost()
+            if event is None:
+                line, ranks, hosts = vanished_line(before, after, gone, self.rank, self.world_size, resume_from)
+                event = {"kind": "peer_lost", "detected_by": self.rank, "line": line, "ranks": ranks, "hosts": hosts}
+                if self.channel.claim_lost(event):
+                    with contextlib.suppress(OSError):
+                        append_event(self.run_dir, {**event, "time": time.time(), "launch": self.channel.launch})
+                    write_failure_file(line, hosts or [self.host], "peer_lost")
+                event = self.channel.lost() or event
+        print(f"megagate train: error: {event['line']}", file=sys.stderr, flush=True)
+        return PEER_LOST_EXIT_CODE
+
     # --- the thread ----------------------------------------------------------------------------------------------
     def _run(self) -> None:
         reported = False
@@ -199,6 +250,8 @@ class Watchdog:
                 "stage": PROGRESS.stage,
                 "steps_done": snap.steps_done,
                 "recent": [[step, round(c, 6), round(w, 6)] for step, c, w in snap.recent],
+                "totals": [[step, round(t, 6)] for step, t in snap.totals],
+                "arrivals": [[step, round(t, 6)] for step, t in snap.arrivals],
                 "last_s": snap.last_s,
             }
         )

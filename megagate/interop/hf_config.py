@@ -213,6 +213,20 @@ def _required(config: Mapping[str, Any], key: str) -> Any:
     return config[key]
 
 
+def _positive_int(config: Mapping[str, Any], key: str) -> int:
+    value = _required(config, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"config.json {key}={value!r} must be a positive integer")
+    return value
+
+
+def _positive_float(config: Mapping[str, Any], key: str, default: float | None = None) -> float:
+    value = _required(config, key) if default is None else config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"config.json {key}={value!r} must be a positive number")
+    return float(value)
+
+
 def _refuse(config: Mapping[str, Any], key: str, allowed: Any, why: str) -> None:
     value = config.get(key, allowed)
     if value != allowed:
@@ -250,7 +264,7 @@ def model_config_from_hf(config: Mapping[str, Any]) -> tuple[ModelConfig, str]:
     """The megagate ModelConfig of a config.json, and its format; a one-line ConfigError for what megagate cannot
     hold exactly. Dense models get match_baseline_params=False (intermediate_size is the FFN width built)."""
     fmt = _detect_format(config)
-    layers = _required(config, "num_hidden_layers")
+    layers = _positive_int(config, "num_hidden_layers")
     _refuse(config, "hidden_act", "silu", "SwiGLU with SiLU only")
     _refuse(config, "attention_bias", False, "no biases")
     _refuse(config, "qkv_bias", False, "no biases")
@@ -259,19 +273,19 @@ def model_config_from_hf(config: Mapping[str, Any]) -> tuple[ModelConfig, str]:
     pattern = _layer_pattern(config, fmt, layers)
     values: dict[str, Any] = dict(
         num_layers=layers,
-        hidden_size=_required(config, "hidden_size"),
-        num_attention_heads=_required(config, "num_attention_heads"),
-        num_query_groups=_required(config, "num_key_value_heads"),
-        head_dim=_required(config, "head_dim"),
-        ffn_hidden_size=_required(config, "intermediate_size"),
-        vocab_size=_required(config, "vocab_size"),
-        max_sequence_length=_required(config, "max_position_embeddings"),
+        hidden_size=_positive_int(config, "hidden_size"),
+        num_attention_heads=_positive_int(config, "num_attention_heads"),
+        num_query_groups=_positive_int(config, "num_key_value_heads"),
+        head_dim=_positive_int(config, "head_dim"),
+        ffn_hidden_size=_positive_int(config, "intermediate_size"),
+        vocab_size=_positive_int(config, "vocab_size"),
+        max_sequence_length=_positive_int(config, "max_position_embeddings"),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qk_layernorm=True,
         normalization="RMSNorm",
         rotary_base=_int_theta(_required(config, "rope_theta")),
-        norm_epsilon=float(_required(config, "rms_norm_eps")),
-        init_method_std=float(config.get("initializer_range", 0.02)),
+        norm_epsilon=_positive_float(config, "rms_norm_eps"),
+        init_method_std=_positive_float(config, "initializer_range", 0.02),
         match_baseline_params=False,
         gate=gates.preset("baseline"),
         **hf_rope.from_hf(config),
