@@ -50,8 +50,11 @@ def test_flat_nested_and_converted() -> None:
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"nmae": "y"}, "sec.nmae is not a known key; allowed: inner, limits, maybe, means, name, names, on"),
-        ({"inner": {"dpeth": 2}}, "sec.inner.dpeth is not a known key; allowed: depth, rate"),
+        (
+            {"nmae": "y"},
+            "sec.nmae is not a known key; allowed: inner, limits, maybe, means, name, names, on; did you mean 'name'?",
+        ),
+        ({"inner": {"dpeth": 2}}, "sec.inner.dpeth is not a known key; allowed: depth, rate; did you mean 'depth'?"),
         ({"inner": {"depth": 2.5}}, "sec.inner.depth=2.5 must be an integer"),
         ({"on": "yes"}, "sec.on='yes' must be true or false"),
         ({"names": 3}, "sec.names=3 must be a list"),
