@@ -25,6 +25,7 @@ from megagate.monitor import diagnostics, process_faults, runfiles
 from megagate.monitor.events import EventLog
 from megagate.monitor.faults import Fault, FaultInjector
 from megagate.monitor.spike import SpikeAbort, SpikeMonitor, SpikeMonitorConfig, worst_action
+from megagate.monitor.spike_score import SpikeScores
 from megagate.train import components as parts
 from megagate.train.callbacks.base import Callback, StepOutput, TrainerView, Update
 from megagate.train.callbacks.metrics import MetricsLogger
@@ -36,7 +37,9 @@ def _writer(trainer: TrainerView) -> Any:
 
 
 class SpikeMonitoring(Callback):
-    """`monitor.spike`: detection on the global loss and grad norm, events.jsonl, and the configured action."""
+    """`monitor.spike`: detection on the global loss and grad norm, events.jsonl, and the configured action; beside
+    it the SpikeScore of both (megagate.monitor.spike_score: TensorBoard `spike_score/...` at logging steps,
+    summary.json `spike_score`), judged on the same values."""
 
     priority = 70
     state_key = "monitor"
@@ -44,6 +47,8 @@ class SpikeMonitoring(Callback):
 
     def __init__(self, config: SpikeMonitorConfig, flag_steps: bool = False) -> None:
         self.monitor = SpikeMonitor(config)
+        self.scores = SpikeScores(("loss", "grad_norm"))
+        self.writer: Any = None
         self.events: EventLog | None = None
         # judged before the update (one host read per step): an action that decides, or a callback after this one
         # that needs each step's flags as it trains (EarlyStopping counts the loss spikes)
@@ -52,7 +57,8 @@ class SpikeMonitoring(Callback):
 
     def on_start(self, trainer: TrainerView) -> None:
         if trainer.logging_rank:
-            self.events = EventLog(Path(trainer.cfg.output.dir) / runfiles.EVENTS, _writer(trainer))
+            self.writer = _writer(trainer)
+            self.events = EventLog(Path(trainer.cfg.output.dir) / runfiles.EVENTS, self.writer)
         trainer.summary["spikes"] = self.monitor.num_events
         self._summary = trainer.summary
         if not self.deciding:
@@ -60,7 +66,9 @@ class SpikeMonitoring(Callback):
 
     def _observe_read(self, read: list) -> None:
         for step, values in read:
-            self._record(self.monitor.observe(step, {"loss": values.seen_loss, "grad_norm": values.grad_norm}))
+            seen = {"loss": values.seen_loss, "grad_norm": values.grad_norm}
+            self.scores.observe(seen)
+            self._record(self.monitor.observe(step, seen))
 
     def _record(self, events: list) -> None:
         if events and self.events is not None:
@@ -82,7 +90,9 @@ class SpikeMonitoring(Callback):
         if not self.deciding:
             return
         step = update.step
-        events = self.monitor.observe(step, {"loss": update.loss, "grad_norm": update.grad_norm})  # the step's read
+        seen = {"loss": update.loss, "grad_norm": update.grad_norm}  # the step's read
+        self.scores.observe(seen)
+        events = self.monitor.observe(step, seen)
         for event in events:  # EarlyStopping counts the loss spikes (StepOutput.flags)
             update.flag(f"spike:{event.metric}")
         self._record(events)
@@ -102,6 +112,21 @@ class SpikeMonitoring(Callback):
                 ),
             )
 
+    def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
+        # at logging steps, where the values were read anyway (MetricsLogger reads them first: warn mode judged them)
+        if output.step % trainer.cfg.logging.interval == 0:
+            self._log_scores(output.step)
+
+    def on_end(self, trainer: TrainerView) -> None:
+        self._log_scores(trainer.step)
+
+    def _log_scores(self, step: int) -> None:
+        if self._summary is not None:
+            self._summary["spike_score"] = self.scores.summary()
+        if self.writer is not None:
+            for tag, value in self.scores.scalars().items():
+                self.writer.add_scalar(tag, value, step)
+
     def _rollback(self, trainer: TrainerView, step: int) -> None:
         path = trainer.latest_checkpoint()
         if path is None:
@@ -118,10 +143,11 @@ class SpikeMonitoring(Callback):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return self.monitor.state_dict()
+        return {**self.monitor.state_dict(), "spike_score": self.scores.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.monitor.load_state_dict(state)
+        self.scores.load_state_dict(state.get("spike_score", {}))  # absent in checkpoints from before it
 
 
 class FaultInjection(Callback):
