@@ -42,6 +42,8 @@ class RunResult:
     f_attn: float | None = None
     m_act: float | None = None
     gate_score: float | None = None
+    sink_1: float | None = None  # Gu et al.'s Sink^eps_1 at the last probe (mean over layers; None: not logged)
+    spike_score: float | None = None  # SpikeScore of the loss, percent (summary.json; None: not recorded)
     curve: list[tuple[int, float]] = field(default_factory=list)  # (step, train loss)
     spike_steps: list[int] = field(default_factory=list)
     valid_loss: float | None = None
@@ -140,6 +142,10 @@ def load_run(
     if result.diagnostics:
         last = result.diagnostics[-1]
         result.f_attn, result.m_act, result.gate_score = last["f_attn"], last["m_act"], last["gate_score"]
+        result.sink_1 = last["sink_1"]
+    score = (summary.get("spike_score") or {}).get("loss") or {}
+    if score.get("percent") is not None:
+        result.spike_score = _number(score["percent"], float, summary_path, "spike_score.loss.percent")
     result.curve_spikes = aggregate.curve_spikes(curve, rule)
     result.spike_match = aggregate.match_events(
         result.curve_spikes, result.spike_steps, max(tolerance, result.logging_interval)
@@ -162,6 +168,7 @@ def _probe_steps(path: Path) -> list[dict[str, Any]]:
         ]
         f_attn = [_number(d.get("f_attn"), float, path, "f_attn") for d in layers]
         sparsity = [float(d["gate_sparsity"]) for d in layers if d.get("gate_sparsity") is not None]
+        sinks = [_number(d["sink"], float, path, "sink") for d in layers if d.get("sink") is not None]
         probes.append(
             {
                 "step": step,
@@ -170,6 +177,8 @@ def _probe_steps(path: Path) -> list[dict[str, Any]]:
                 "m_act": max(_number(d.get("m_act"), float, path, "m_act") for d in layers),
                 "gate_score": statistics.fmean(gates) if gates else None,
                 "gate_sparsity": statistics.fmean(sparsity) if sparsity else None,
+                # Gu et al.'s Sink^eps_1: the mean over layers (each layer has the same heads and samples)
+                "sink_1": statistics.fmean(sinks) if len(sinks) == len(layers) else None,
             }
         )
     return probes
@@ -230,8 +239,10 @@ COLUMNS = (
     "final_loss",
     "valid_ppl",
     "spikes",
+    "SpikeScore",
     "diverged",
     "F-Attn",
+    "Sink_1",
     "M-Act",
     "gate_score",
     "curve_spikes",
@@ -265,8 +276,10 @@ def table(results: Sequence[RunResult]) -> str:
                 _fmt(r.final_loss),
                 _fmt(r.valid_ppl),
                 _fmt(r.num_spikes),
+                _fmt(r.spike_score, ".3g"),
                 _fmt(r.diverged),
                 _fmt(r.f_attn, ".3f"),
+                _fmt(r.sink_1, ".3f"),
                 _fmt(r.m_act, ".3g"),
                 _fmt(r.gate_score, ".3f"),
                 str(len(r.curve_spikes)),
@@ -297,7 +310,9 @@ GROUP_COLUMNS = (
     "event_runs",
     "curve_spikes",
     "tp/fp/miss",
+    "SpikeScore",
     "F-Attn",
+    "Sink_1",
     "M-Act",
     "gate_score",
     "setting",
@@ -328,7 +343,9 @@ def group_table(groups: Sequence[aggregate.Group]) -> str:
                 f"{g.runs_with_events}/{g.n}",
                 str(g.curve_spikes),
                 f"{g.tp}/{g.fp}/{g.misses}",
+                _fmt(g.spike_score, ".3g"),
                 _fmt(g.f_attn, ".3f"),
+                _fmt(g.sink_1, ".3f"),
                 _fmt(g.m_act, ".3g"),
                 _fmt(g.gate_score, ".3f"),
                 g.setting,

@@ -4,8 +4,10 @@
     RUN_DIR/metrics.jsonl      {"step", "split": "train", "loss", "lr", "grad_norm", "tokens_per_s"}
                                {"step", "split": "valid", "loss", "ppl"}
     RUN_DIR/events.jsonl       spike events: {"step", "metric", "value", "baseline", "score", "action", "reason"}
-    RUN_DIR/diagnostics.jsonl  {"step", "layer", "gate_score_mean", "gate_sparsity", "f_attn", "m_act", "max_logit"}
-    RUN_DIR/summary.json       {"steps", "final_loss", "final_valid_loss", "diverged", "aborted"?}
+    RUN_DIR/diagnostics.jsonl  {"step", "layer", "gate_score_mean", "gate_sparsity", "f_attn", "m_act", "max_logit",
+                                "sink", "sink_length"} (Sink^eps_1 and its T: older runs lack them)
+    RUN_DIR/summary.json       {"steps", "final_loss", "final_valid_loss", "diverged", "aborted"?, "spikes"?,
+                                "spike_score"? (monitor.spike_score: percent, spikes, judged per metric)}
 
 JSONL lines are appended with one `os.write` on an O_APPEND descriptor (a line is never interleaved or half-written
 by another writer on a local file system); whole files (summary, config) are written to a temporary name and renamed.

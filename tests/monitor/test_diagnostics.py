@@ -181,4 +181,6 @@ def test_sparse_scores_histogram_and_tensorboard(megatron_world, tmp_path):
         "f_attn": diags[1].f_attn,
         "m_act": diags[1].m_act,
         "max_logit": diags[1].max_logit,
+        "sink": diags[1].sink,
+        "sink_length": SEQ,  # the probe is shorter than Gu et al.'s 64 tokens
     }

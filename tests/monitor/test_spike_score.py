@@ -122,3 +122,34 @@ def test_trainer_summary_equals_the_score_recomputed_from_metrics(tmp_path_facto
         assert summary[metric]["judged"] == len(judged) == 200 - LOOKBACK
         assert summary[metric]["spikes"] == sum(judged)
         assert summary[metric]["percent"] == pytest.approx(100 * sum(judged) / len(judged))
+
+
+@pytest.mark.slow
+def test_injected_spike_is_counted_and_logged_to_tensorboard(tmp_path_factory):
+    """140 steps, a loss x 10 injected at step 135 (after the 128-step look-back): summary.json counts it, and the
+    score is the definition applied to the logged curve with that step's loss x 10 (the monitor judges the scaled
+    loss; metrics.jsonl keeps the computed one); TensorBoard has spike_score/loss at the logging steps."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megagate.analysis import report
+
+    fault = {"faults": [{"step": 135, "kind": "scale_loss", "factor": 10}]}
+    job = [*trainer_jobs.TINY, "train.train_steps=140", "monitor=" + json.dumps(fault)]  # logging every step
+    run = trainer_jobs.run_jobs(tmp_path_factory, trainer_jobs.demo_data(tmp_path_factory), {"spike140": job})
+    run = run["spike140"]
+    assert run.rc == 0, run.log[-3000:]
+    records = {r["step"]: r for r in run.train_records()}
+    losses = np.asarray([records[s]["loss"] * (10 if s == 135 else 1) for s in range(1, 141)])
+    flags = reference_flags(losses)
+    assert flags[134] is True
+    summary = json.loads((run.dir / "summary.json").read_text())["spike_score"]["loss"]
+    assert summary["judged"] == 140 - LOOKBACK and summary["spikes"] == sum(f for f in flags if f) >= 1
+    assert report.load_run(run.dir).spike_score == pytest.approx(summary["percent"])
+    acc = EventAccumulator(str(run.dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    logged = {e.step: e.value for e in acc.Scalars("spike_score/loss")}
+    assert sorted(logged) == list(range(LOOKBACK + 1, 141))  # every logging step from the first judged one on
+    for step, value in logged.items():  # the running percentage, step by step
+        judged = flags[LOOKBACK:step]
+        assert value == pytest.approx(100 * sum(judged) / len(judged)), step
+    assert logged[135] > logged[134]

@@ -267,6 +267,7 @@ def test_live_diagnostics_jsonl_and_tensorboard(runs: dict) -> None:
         assert 0.0 < r["gate_score_mean"] < 1.0 and 0.0 <= r["gate_sparsity"] <= 1.0
         assert 0.0 < r["f_attn"] < 1.0
         assert r["m_act"] > 0 and math.isfinite(r["max_logit"])
+        assert 0.0 <= r["sink"] <= 1.0 and r["sink_length"] == 64  # Gu et al.'s T = 64 = train.seq_length here
     # the probe batch is fixed, the model trains: the statistics move between probes
     by_step = {s: [r for r in records if r["step"] == s and r["layer"] == 0][0] for s in expected_steps}
     assert by_step[5]["m_act"] != by_step[STEPS]["m_act"]
@@ -276,7 +277,7 @@ def test_live_diagnostics_jsonl_and_tensorboard(runs: dict) -> None:
     acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for tag in ("diag/f_attn", "diag/gate_score", "diag/m_act", "diag/max_logit", "diag/layer_01/f_attn"):
+    for tag in ("diag/f_attn", "diag/sink", "diag/gate_score", "diag/m_act", "diag/max_logit", "diag/layer_01/f_attn"):
         assert tag in tags, sorted(tags)
         assert [e.step for e in acc.Scalars(tag)] == expected_steps
     m_act = {e.step: e.value for e in acc.Scalars("diag/m_act")}

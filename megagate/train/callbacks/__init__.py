@@ -36,7 +36,8 @@ def default_callbacks(setup: RunSetup) -> list[Callback]:
     if m.early_stop.enabled:  # after the spike monitor: it counts that step's loss spikes
         callbacks.append(EarlyStopping(m.early_stop, cfg.train.warmup_steps))
     if m.diagnostics.interval:
-        callbacks.append(LiveDiagnostics(m.diagnostics.interval))
+        d = m.diagnostics
+        callbacks.append(LiveDiagnostics(d.interval, d.sink_epsilon, d.sink_length))
     if cfg.straggler.enabled:
         callbacks.append(StragglerReport(cfg.straggler))
     return callbacks + perf_callbacks(setup) + [Evaluation(), Checkpointing(), RunSummary()]

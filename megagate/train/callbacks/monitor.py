@@ -195,8 +195,9 @@ class LiveDiagnostics(Callback):
 
     priority = 60
 
-    def __init__(self, interval: int) -> None:
+    def __init__(self, interval: int, sink_epsilon: float = 0.3, sink_length: int | None = None) -> None:
         self.interval = interval
+        self.sink = {"sink_epsilon": sink_epsilon, "sink_length": sink_length or diagnostics.SINK_LENGTH}
         self.probe: dict | None = None
         self.writer: Any = None
 
@@ -213,7 +214,7 @@ class LiveDiagnostics(Callback):
             return  # the probe forward needs the whole model on this rank (PP=1)
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         diags = diagnostics.collect(
-            trainer.model[0], self.probe["tokens"].to(device), self.probe["position_ids"].to(device)
+            trainer.model[0], self.probe["tokens"].to(device), self.probe["position_ids"].to(device), **self.sink
         )
         if trainer.logging_rank:
             if self.writer is not None:
