@@ -36,11 +36,18 @@ import torch
 from torch import Tensor
 
 from megagate.errors import MegagateError
+from megagate.monitor.attention_math import (  # re-exported: the diagnostics' math, in its own module
+    SINK_EPSILON,
+    SINK_LENGTH,
+    attention_logits,
+    attention_stats,
+    check_sink_settings,
+    log_z,
+    softmax_scale,
+)
 
 SPARSE_BELOW = 0.1  # the paper's sparsity threshold on gate scores
 HIST_BINS = 20
-SINK_EPSILON = 0.3  # Gu et al.'s eps
-SINK_LENGTH = 64  # Gu et al.'s probe length T
 _BOUNDED = ("sigmoid", "ns_sigmoid")  # activations with scores in [0, 1]: fixed histogram bins
 
 
@@ -76,66 +83,6 @@ class LayerDiagnostics:
             "sink": self.sink,
             "sink_length": self.sink_length,
         }
-
-
-# --- pure math ---------------------------------------------------------------------------------------------------
-def attention_logits(query: Tensor, key: Tensor, scale: float, mask: Tensor | None = None) -> Tensor:
-    """Scaled causal logits [b, np, sq, sk] in fp32 (masked entries = -inf) from query [sq, b, np, hn], key [sk, b, ng, hn].
-
-    GQA: each key group serves np/ng consecutive query heads (megatron's repeat_interleave). `mask`: optional bool
-    [b or 1, 1, sq, sk], True = masked (megatron's convention), combined with the causal mask.
-    """
-    sq, sk = query.shape[0], key.shape[0]
-    np_, ng = query.shape[2], key.shape[2]
-    q = query.float().permute(1, 2, 0, 3)  # [b, np, sq, hn]
-    k = key.float().permute(1, 2, 0, 3)  # [b, ng, sk, hn]
-    if np_ != ng:
-        k = k.repeat_interleave(np_ // ng, dim=1)
-    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
-    # Causal with the queries aligned to the end of the keys (sq == sk for training probes).
-    causal = torch.ones(sq, sk, dtype=torch.bool, device=logits.device).triu(sk - sq + 1)
-    masked = causal if mask is None else causal | mask.to(torch.bool)
-    return logits.masked_fill(masked, -math.inf)
-
-
-def attention_stats(
-    logits: Tensor, sink_epsilon: float = SINK_EPSILON, sink_length: int = SINK_LENGTH
-) -> dict[str, Tensor]:
-    """Sums and maxima of one attention call (reducible over TP ranks): first-token prob per head, counts, max logit,
-    and the Sink^eps_1 hits: (sample, head) pairs whose mean first-token prob over the first T queries exceeds eps."""
-    probs = torch.softmax(logits, dim=-1)  # [b, np, sq, sk]
-    first = probs[:, :, 1:, 0]  # queries >= 1 on key 0
-    length = min(sink_length, probs.shape[2])
-    alpha = probs[:, :, :length, 0].mean(dim=2)  # [b, np]: Gu et al.'s alpha_1 per sample and head
-    return {
-        "f_sum_per_head": first.sum(dim=(0, 2)),  # [np]
-        "f_count_per_head": torch.full((logits.shape[1],), float(first.shape[0] * first.shape[2])),
-        "max_logit": logits.max(),  # masked entries are -inf
-        "sink_hits": (alpha > sink_epsilon).sum().double(),
-        "sink_pairs": torch.tensor(float(alpha.numel()), dtype=torch.float64),
-        "sink_length": torch.tensor(length),
-        "probs": probs,
-    }
-
-
-def check_sink_settings(epsilon: float, length: int, context: int | None = None) -> None:
-    """Refuse an eps outside (0, 1), a length < 1, or a length beyond the model's context, in one line."""
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 < epsilon < 1:
-        raise MegagateError(f"sink epsilon={epsilon!r} must be in (0, 1)")
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        raise MegagateError(f"sink probe length={length!r} must be a positive integer")
-    if context is not None and length > context:
-        raise MegagateError(f"sink probe length {length} is longer than the model's context ({context} tokens)")
-
-
-def softmax_scale(core_attention: torch.nn.Module, head_dim: int) -> float:
-    """The scale core attention applies to q·k (megatron's local or TE module; 1/sqrt(hn) otherwise)."""
-    scale = getattr(core_attention, "softmax_scale", None)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    # megatron's apply_query_key_layer_scaling divides softmax_scale by the layer number and multiplies it back
-    # inside its fused softmax.
-    coeff = getattr(getattr(core_attention, "scale_mask_softmax", None), "scale", None)
-    return scale * float(coeff) if coeff else scale
 
 
 # --- capture -----------------------------------------------------------------------------------------------------
@@ -181,6 +128,7 @@ class Probe:
         self._handles: list[Any] = []
         self._observed: list[Any] = []
         self._states: dict[int, _LayerState] = {}
+        self._log_z = [0.0, 0, -math.inf]  # sum, tokens, max of the output layer's log Z
 
     def __enter__(self) -> Probe:
         try:
@@ -195,6 +143,9 @@ class Probe:
                 if attn is not None and hasattr(attn, "score_observer"):
                     attn.score_observer = self._score_observer(state, getattr(attn, "gate", None))
                     self._observed.append(attn)
+            output_layer = getattr(_inner(self.model), "output_layer", None)  # the last pipeline stage's
+            if output_layer is not None:
+                self._handles.append(output_layer.register_forward_hook(self._output_hook))
         except BaseException:
             self._remove()
             raise
@@ -217,6 +168,19 @@ class Probe:
             state.m_act = max(state.m_act, float(hidden.detach().abs().max()))
 
         return hook
+
+    def _output_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        logits = output[0] if isinstance(output, (tuple, list)) else output  # [s, b, V / TP]
+        values = log_z(logits.detach(), _tp_group(self.tp_group))
+        self._log_z[0] += float(values.sum())
+        self._log_z[1] += values.numel()
+        self._log_z[2] = max(self._log_z[2], float(values.max()))
+
+    def output_stats(self) -> dict[str, float]:
+        """The output logits' log Z = log sum_v exp(logit_v) per token: mean and max over the probe's tokens (the
+        z-loss's quantity; {} on a stage without the output layer)."""
+        total, count, top = self._log_z
+        return {"log_z_mean": total / count, "log_z_max": top} if count else {}
 
     def _core_hook(self, state: _LayerState, core: torch.nn.Module) -> Callable:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -286,11 +250,14 @@ class Probe:
         return out
 
 
+def _inner(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module") and not hasattr(model, "decoder"):  # DDP / Float16Module wrappers
+        model = model.module
+    return model
+
+
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    inner = model
-    while hasattr(inner, "module") and not hasattr(inner, "decoder"):  # DDP / Float16Module wrappers
-        inner = inner.module
-    decoder = getattr(inner, "decoder", None)
+    decoder = getattr(_inner(model), "decoder", None)
     if decoder is None or not hasattr(decoder, "layers"):
         raise MegagateError(f"diagnostics need a megatron GPTModel with decoder.layers; got {type(model).__name__}")
     return list(decoder.layers)
@@ -355,6 +322,19 @@ def collect(
 ) -> list[LayerDiagnostics]:
     """Run one no-grad eval forward of `tokens` [b, s] through `model` (one pipeline stage holding the embedding)
     and return this rank's layers' diagnostics; the model's train/eval mode is restored afterwards."""
+    return collect_with_output(model, tokens, position_ids, attention_mask, keep_attn_map, sink_epsilon, sink_length)[0]
+
+
+def collect_with_output(
+    model: torch.nn.Module,
+    tokens: Tensor,
+    position_ids: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    keep_attn_map: bool = False,
+    sink_epsilon: float = SINK_EPSILON,
+    sink_length: int = SINK_LENGTH,
+) -> tuple[list[LayerDiagnostics], dict[str, float]]:
+    """`collect`, and the output layer's log-Z statistics (`Probe.output_stats`)."""
     if position_ids is None:
         position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
     was_training = model.training
@@ -363,7 +343,7 @@ def collect(
         probe = Probe(model, keep_attn_map=keep_attn_map, sink_epsilon=sink_epsilon, sink_length=sink_length)
         with torch.no_grad(), probe:
             model(tokens, position_ids, attention_mask)
-        return probe.results()
+        return probe.results(), probe.output_stats()
     finally:
         model.train(was_training)
 

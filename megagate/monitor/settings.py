@@ -34,6 +34,7 @@ class DiagnosticsConfig:
     interval: int = 0  # steps between probes (0: off)
     sink_epsilon: float = 0.3
     sink_length: int | None = None  # None: 64, or train.seq_length when shorter
+    update_ratio: bool = True  # each layer's update RMS / weight RMS at the probe steps (one weight copy then)
 
     def __post_init__(self) -> None:
         if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 0:
@@ -48,7 +49,9 @@ class DiagnosticsConfig:
     @classmethod
     def from_dict(cls, values: Any) -> DiagnosticsConfig:
         values = as_mapping(values, "monitor.diagnostics")
-        refuse_unknown(values, ["interval", "sink_epsilon", "sink_length"], "monitor.diagnostics")
+        refuse_unknown(values, ["interval", "sink_epsilon", "sink_length", "update_ratio"], "monitor.diagnostics")
+        if not isinstance(values.get("update_ratio", True), bool):
+            raise ConfigError(f"monitor.diagnostics.update_ratio={values['update_ratio']!r} must be true or false")
         return cls(**values)
 
 

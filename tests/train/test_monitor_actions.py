@@ -285,6 +285,33 @@ def test_live_diagnostics_jsonl_and_tensorboard(runs: dict) -> None:
     assert m_act == pytest.approx(top, rel=1e-6)
 
 
+def test_update_ratio_precursor_equals_the_checkpoints(runs: dict, tmp_path: Path) -> None:
+    """precursors.jsonl's per-layer update RMS / weight RMS at the probe steps 10 and 15 of the skip run (checkpoints
+    every step) equals ||w_s - w_(s-1)|| / ||w_(s-1)|| computed from its checkpoints; log Z and max logit are there."""
+    run = runs["skip"]
+    records = {r["step"]: r for r in map(json.loads, (run / "precursors.jsonl").read_text().splitlines())}
+    assert sorted(records) == list(range(DIAG_INTERVAL, STEPS + 1, DIAG_INTERVAL))
+    for step in (10, 15):
+        before, after = (
+            model_tensors(checkpoint_tensors(run / "checkpoints" / f"iter_{s:07d}", tmp_path)) for s in (step - 1, step)
+        )
+        sums: dict[str, list[float]] = {}
+        for key, w in before.items():
+            if not w.is_floating_point() or "_extra_state" in key:
+                continue
+            # dist_checkpointing stacks the layers' tensors on a leading axis: decoder.layers.<name> [L, ...]
+            parts = enumerate(zip(w, after[key])) if key.startswith("decoder.layers.") else [("other", (w, after[key]))]
+            for group, (old, new) in parts:
+                acc = sums.setdefault(str(group), [0.0, 0.0])
+                acc[0] += float((new.double() - old.double()).square().sum())
+                acc[1] += float(old.double().square().sum())
+        expected = {k: math.sqrt(u / w) for k, (u, w) in sums.items()}
+        assert records[step]["update_ratio"] == pytest.approx(expected, rel=1e-6), step
+        assert records[step]["update_ratio_max"] == max(expected.values())
+        assert math.isfinite(records[step]["log_z_mean"]) and records[step]["log_z_max"] >= records[step]["log_z_mean"]
+        assert math.isfinite(records[step]["max_logit"])
+
+
 # --- clean long run ------------------------------------------------------------------------------------------------
 def test_clean_200_steps_raise_no_spike_event(runs: dict) -> None:
     """200 tiny steps (seq 64, batch 8) at the default monitor settings: no event."""

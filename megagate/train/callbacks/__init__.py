@@ -37,7 +37,7 @@ def default_callbacks(setup: RunSetup) -> list[Callback]:
         callbacks.append(EarlyStopping(m.early_stop, cfg.train.warmup_steps))
     if m.diagnostics.interval:
         d = m.diagnostics
-        callbacks.append(LiveDiagnostics(d.interval, d.sink_epsilon, d.sink_length))
+        callbacks.append(LiveDiagnostics(d.interval, d.sink_epsilon, d.sink_length, d.update_ratio))
     if cfg.straggler.enabled:
         callbacks.append(StragglerReport(cfg.straggler))
     return callbacks + perf_callbacks(setup) + [Evaluation(), Checkpointing(), RunSummary()]

@@ -11,6 +11,7 @@ the end of the run), so its events may be written a few steps after their step (
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,9 +20,9 @@ from typing import Any
 import torch
 
 from megagate import checkpoint as ckpt
-from megagate.console import log
+from megagate.console import log, warn
 from megagate.health.watchdog import host_name
-from megagate.monitor import diagnostics, process_faults, runfiles
+from megagate.monitor import diagnostics, process_faults, runfiles, update_stats
 from megagate.monitor.events import EventLog
 from megagate.monitor.faults import Fault, FaultInjector
 from megagate.monitor.spike import SpikeAbort, SpikeMonitor, SpikeMonitorConfig, worst_action
@@ -190,34 +191,72 @@ class FaultInjection(Callback):
 
 
 class LiveDiagnostics(Callback):
-    """`monitor.diagnostics.interval`: the paper's Table-4 statistics on a fixed probe batch (the first validation
-    micro-batch: comparable across steps and runs) to diagnostics.jsonl and TensorBoard (`diag/...`)."""
+    """`monitor.diagnostics.interval`: the paper's Table-4 statistics and Gu et al.'s Sink^eps_1 on a fixed probe batch
+    (the first validation micro-batch: comparable across steps and runs) to diagnostics.jsonl and TensorBoard
+    (`diag/...`), and the spike precursors of the same step to precursors.jsonl and TensorBoard (`precursor/...`):
+    each layer's update RMS / weight RMS (megagate.monitor.update_stats), the max attention logit and the output
+    layer's log Z (mean, max) on the probe."""
 
     priority = 60
 
-    def __init__(self, interval: int, sink_epsilon: float = 0.3, sink_length: int | None = None) -> None:
+    def __init__(
+        self, interval: int, sink_epsilon: float = 0.3, sink_length: int | None = None, update_ratio: bool = True
+    ) -> None:
         self.interval = interval
         self.sink = {"sink_epsilon": sink_epsilon, "sink_length": sink_length or diagnostics.SINK_LENGTH}
+        self.want_ratio = update_ratio
+        self.ratio: update_stats.UpdateRatio | None = None
         self.probe: dict | None = None
         self.writer: Any = None
 
     def on_start(self, trainer: TrainerView) -> None:
         self.writer = _writer(trainer)
         self.probe = next(parts.loader(trainer.cfg, trainer.components.valid_data, 0))
+        if self.want_ratio and update_stats.supported(trainer.model):
+            self.ratio = update_stats.UpdateRatio(trainer.cfg.model.num_layers)
+        elif self.want_ratio:
+            warn("monitor.diagnostics: no update ratio with DDP's overlap_param_gather (weights gather in the forward)")
+
+    def pre_optim_step(self, trainer: TrainerView, update: Update) -> None:
+        if self.ratio is not None and update.step % self.interval == 0:
+            self.ratio.snapshot(trainer.model)
 
     def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
-        if output.step % self.interval or trainer.stop_reason is not None:
+        if output.step % self.interval:
+            return
+        record: dict[str, Any] = {"step": output.step}
+        if self.ratio is not None:  # every model-parallel rank: a collective
+            ratios = self.ratio.measure(trainer.model, *update_stats.model_parallel_group())
+            record.update(update_ratio=ratios, update_ratio_max=max(ratios.values(), default=math.nan))
+        if trainer.stop_reason is not None:
             return
         from megatron.core import parallel_state
 
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             return  # the probe forward needs the whole model on this rank (PP=1)
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        diags = diagnostics.collect(
+        diags, out = diagnostics.collect_with_output(
             trainer.model[0], self.probe["tokens"].to(device), self.probe["position_ids"].to(device), **self.sink
         )
+        record.update(max_logit=max((d.max_logit for d in diags), default=math.nan), **out)
         if trainer.logging_rank:
+            run_dir = trainer.cfg.output.dir
             if self.writer is not None:
                 diagnostics.log_to_tensorboard(self.writer, output.step, diags)
-            for record in diagnostics.records(output.step, diags):
-                runfiles.append_jsonl(os.path.join(trainer.cfg.output.dir, runfiles.DIAGNOSTICS), record)
+                for tag, value in precursor_scalars(record).items():
+                    self.writer.add_scalar(tag, value, output.step)
+            for line in diagnostics.records(output.step, diags):
+                runfiles.append_jsonl(os.path.join(run_dir, runfiles.DIAGNOSTICS), line)
+            runfiles.append_jsonl(os.path.join(run_dir, runfiles.PRECURSORS), record)
+
+
+def precursor_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """TensorBoard tags of a precursors.jsonl record: `precursor/update_ratio` (max over layers),
+    `precursor/layer_03/update_ratio`, `precursor/other/update_ratio`, `precursor/max_logit`, `precursor/log_z_*`."""
+    out = {f"precursor/{k}": record[k] for k in ("max_logit", "log_z_mean", "log_z_max") if k in record}
+    if "update_ratio" in record:
+        out["precursor/update_ratio"] = record["update_ratio_max"]
+        for name, value in record["update_ratio"].items():
+            tag = name if name == update_stats.OTHER else f"layer_{int(name):02d}"
+            out[f"precursor/{tag}/update_ratio"] = value
+    return out
