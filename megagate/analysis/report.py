@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megagate.analysis import aggregate, report_plots
+from megagate.analysis import aggregate, precursors, report_plots
 from megagate.analysis.health_report import health_section
 from megagate.analysis.replay import replay_events
 from megagate.errors import MegagateError
@@ -385,6 +385,7 @@ def report(
     if replay is not None:
         text += f"\n(monitor events replayed over the logged curves with monitor.spike = {replay.to_dict()})"
     text += health_section([r.run_dir for r in results], [r.label for r in results])
+    text += precursors.section([r.run_dir for r in results], [r.label for r in results])
     if out_dir is not None:
         out = Path(out_dir)
         report_plots.plot_loss_curves(results, out / "loss_curves.png")

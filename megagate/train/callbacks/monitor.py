@@ -31,6 +31,8 @@ from megagate.train import components as parts
 from megagate.train.callbacks.base import Callback, StepOutput, TrainerView, Update
 from megagate.train.callbacks.metrics import MetricsLogger
 
+SAMPLE_STEPS_KEPT = 10_000  # steps whose batch positions are kept for the events (more than any logging interval)
+
 
 def _writer(trainer: TrainerView) -> Any:
     logger = trainer.callback(MetricsLogger)
@@ -49,6 +51,7 @@ class SpikeMonitoring(Callback):
     def __init__(self, config: SpikeMonitorConfig, flag_steps: bool = False) -> None:
         self.monitor = SpikeMonitor(config)
         self.scores = SpikeScores(("loss", "grad_norm"))
+        self.samples: dict[int, tuple[int, int]] = {}  # step -> its batch's [first, end) sample positions (recent)
         self.writer: Any = None
         self.events: EventLog | None = None
         # judged before the update (one host read per step): an action that decides, or a callback after this one
@@ -73,7 +76,7 @@ class SpikeMonitoring(Callback):
 
     def _record(self, events: list) -> None:
         if events and self.events is not None:
-            self.events.write(events)
+            self.events.write(events, self.samples)
         if self._summary is not None:
             self._summary["spikes"] = self.monitor.num_events
 
@@ -84,8 +87,13 @@ class SpikeMonitoring(Callback):
         # the position, not step x batch size, which a resume with a new global batch size changes.
         before = self.monitor.data_index(step - 1) - (step - 1)
         dropped = self.monitor.data_index(step) - step - before
+        batch = trainer.cfg.train.global_batch_size
         if dropped:
-            trainer.seek(trainer.consumed_samples + dropped * trainer.cfg.train.global_batch_size)
+            trainer.seek(trainer.consumed_samples + dropped * batch)
+        first = trainer.consumed_samples + dropped * batch
+        self.samples[step] = (first, first + batch)
+        while len(self.samples) > SAMPLE_STEPS_KEPT:  # warn mode judges the steps read since the last logging step
+            del self.samples[next(iter(self.samples))]
 
     def pre_optim_step(self, trainer: TrainerView, update: Update) -> None:
         if not self.deciding:
