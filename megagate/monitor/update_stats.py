@@ -1,4 +1,4 @@
-"""Per-layer relative update size, a spike precursor: RMS(update) / RMS(parameters) = ||p_after - p_before|| / ||p_before||
+"""Per-layer relative update size, a spike precursor: RMS(update) / RMS(weights) = ||p_after - p_before|| / ||p_before||
 over each transformer layer's parameters (the RMS ratio: the element counts cancel), and over the rest of the model
 (embedding, output layer, final norm) as `other`. Large runs watch it per layer because it rises before loss spikes
 (the update of Adam is ~lr-sized per element whatever the gradient, so the ratio says how fast a layer's weights turn).
