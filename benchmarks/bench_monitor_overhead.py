@@ -1,8 +1,8 @@
 """What the stability instrument costs per step: `megagate train` with the monitors off, at the defaults, and with
 every probe on, in paired rounds on the same config.
 
-    .venv/bin/python benchmarks/bench_monitor_overhead.py [--shape tiny] [--rounds 3] [--windows 4]
-                                                          [--interval 10] [--probe-every 50]
+    .venv/bin/python benchmarks/bench_monitor_overhead.py [--shape tiny] [--rounds 3] [--windows 10]
+                                                          [--interval 10] [--probe-every 50] [--clock wall|cpu]
 
 Arms (examples/tiny_cpu.yaml + bench_loop_overhead's overrides of the shape; evaluation off, no checkpoint but
 the final one), run in an order rotating every round:
@@ -12,8 +12,10 @@ the final one), run in an order rotating every round:
   all       the defaults + monitor.diagnostics.interval=PROBE_EVERY: gate scores, F-Attn, Sink^0.3_1, M-Act, max
             logit, log Z and each layer's update ratio on the probe batch every PROBE_EVERY steps.
 
-Timing: megagate's own step_time per logging window (wall clock, data loading included, evaluations and saves left
-out; a probe runs inside its step, so it is counted). Reported: each arm's median window, and the paired ratios
+Timing: megagate's own step_time per logging window (`--clock wall`: wall clock, data loading included,
+evaluations and saves left out; a probe runs inside its step, so it is counted), or the main thread's CPU time per
+window (`--clock cpu`, bench_loop_overhead's worker: much less moved by other processes on a shared machine; the
+monitors run on the main thread, so it counts all of their work). Reported: each arm's median window, and the paired ratios
 default / off and all / default per round (median and min..max). The load average is printed: on a shared machine
 read the spread. No assertions: this prints figures; the closing note of issue 39 and docs/monitoring.md keep them.
 """
@@ -52,6 +54,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1, help="windows per process not counted")
     parser.add_argument("--probe-every", type=int, default=50, help="monitor.diagnostics.interval of the 'all' arm")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     parser.add_argument("--data-dir", default=str(REPO / "runs" / "demo-data"))
     args = parser.parse_args()
     if min(args.rounds, args.interval, args.windows, args.probe_every) < 1 or args.warmup < 0:
@@ -63,7 +66,8 @@ def main() -> int:
     load = os.getloadavg()
     print(
         f"{args.shape}: {args.rounds} rounds x {len(ARMS)} arms; {args.windows} windows of {args.interval} steps after "
-        f"{args.warmup} warm-up; probes every {args.probe_every} steps in 'all'; load {load[0]:.2f} {load[1]:.2f}",
+        f"{args.warmup} warm-up; probes every {args.probe_every} steps in 'all'; {args.clock} clock; "
+        f"load {load[0]:.2f} {load[1]:.2f}",
         flush=True,
     )
     medians: dict[str, list[float]] = {arm: [] for arm in ARMS}
@@ -74,7 +78,7 @@ def main() -> int:
             for arm in order:
                 out = os.path.join(tmp, f"{arm}-{r}")
                 over = run_overrides(args.shape, steps, args.interval, out, args.data_dir)
-                windows = run_megagate([*over, *arm_overrides(arm, args.probe_every)], out, env, "wall")
+                windows = run_megagate([*over, *arm_overrides(arm, args.probe_every)], out, env, args.clock)
                 medians[arm].append(statistics.median(windows[args.warmup :]))
             print(
                 "  round " + str(r + 1) + ": " + ", ".join(f"{a} {medians[a][-1] * 1e3:.2f} ms/step" for a in ARMS),

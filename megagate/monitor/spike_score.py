@@ -30,16 +30,6 @@ WINDOW = 1000  # judged steps the windowed score covers (TensorBoard's `spike_sc
 STATE_VERSION = 1
 
 
-def is_spike(value: float, previous: Sequence[float], sigmas: float = SIGMAS) -> bool:
-    """Whether `value` is more than `sigmas` population standard deviations above the mean of `previous`."""
-    if not math.isfinite(value):
-        return True
-    n = len(previous)
-    mean = math.fsum(previous) / n
-    std = math.sqrt(math.fsum((x - mean) ** 2 for x in previous) / n)
-    return value > mean + sigmas * std
-
-
 class SpikeScore:
     """Rolling SpikeScore of one metric; `observe(value)` once per step, in step order."""
 
@@ -58,19 +48,42 @@ class SpikeScore:
         self._recent: deque[bool] = deque(maxlen=window)  # the flags of the last `window` judged steps
         self.judged = 0
         self.spikes = 0
+        self._sum = self._squares = 0.0
+        self._since_exact = 0
 
     def observe(self, value: float) -> bool | None:
-        """Judge one step's value: True (a spike), False, or None (fewer than `lookback` values before it)."""
+        """Judge one step's value: True (a spike), False, or None (fewer than `lookback` values before it).
+
+        The window's mean and std come from running sums (O(1) a step: this runs on every step of every run),
+        recomputed exactly every `lookback` values so that rounding cannot accumulate."""
         value = float(value)
         flag = None
-        if len(self._previous) == self._previous.maxlen:
-            flag = is_spike(value, self._previous, self.sigmas)
+        window = self._previous
+        if len(window) == window.maxlen:
+            n = len(window)
+            mean = self._sum / n
+            std = math.sqrt(max(self._squares / n - mean * mean, 0.0))
+            flag = not math.isfinite(value) or value > mean + self.sigmas * std
             self.judged += 1
             self.spikes += flag
             self._recent.append(flag)
         if math.isfinite(value):
-            self._previous.append(value)
+            if len(window) == window.maxlen:
+                old = window[0]
+                self._sum -= old
+                self._squares -= old * old
+            window.append(value)
+            self._sum += value
+            self._squares += value * value
+            self._since_exact += 1
+            if self._since_exact >= window.maxlen:
+                self._exact_sums()
         return flag
+
+    def _exact_sums(self) -> None:
+        self._sum = math.fsum(self._previous)
+        self._squares = math.fsum(x * x for x in self._previous)
+        self._since_exact = 0
 
     def score(self) -> float:
         """Percentage of judged steps that spiked over the whole run (NaN before any step was judged)."""
@@ -95,6 +108,7 @@ class SpikeScore:
         self._previous = deque((float(v) for v in state["previous"]), maxlen=self._previous.maxlen)
         self._recent = deque((bool(f) for f in state["recent"]), maxlen=self._recent.maxlen)
         self.judged, self.spikes = int(state["judged"]), int(state["spikes"])
+        self._exact_sums()
 
 
 class SpikeScores:
