@@ -283,6 +283,19 @@ def test_live_diagnostics_jsonl_and_tensorboard(runs: dict) -> None:
     m_act = {e.step: e.value for e in acc.Scalars("diag/m_act")}
     top = {s: max(r["m_act"] for r in records if r["step"] == s) for s in expected_steps}
     assert m_act == pytest.approx(top, rel=1e-6)
+    # summary.json: the last probe's model-level values (Sink^0.3_1 beside F-Attn, the precursors)
+    last = summary(run)["diagnostics"]
+    assert last["step"] == STEPS and last["m_act"] == pytest.approx(top[STEPS], rel=1e-6)
+    layers = [r for r in records if r["step"] == STEPS]
+    assert last["sink"] == pytest.approx(sum(r["sink"] for r in layers) / len(layers))
+    assert last["max_logit"] == max(r["max_logit"] for r in layers) and last["update_ratio_max"] > 0
+    for tag in (
+        "precursor/update_ratio",
+        "precursor/max_logit",
+        "precursor/log_z_max",
+        "precursor/layer_01/update_ratio",
+    ):
+        assert [e.step for e in acc.Scalars(tag)] == expected_steps, tag
 
 
 def test_update_ratio_precursor_equals_the_checkpoints(runs: dict, tmp_path: Path) -> None:

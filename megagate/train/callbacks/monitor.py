@@ -247,6 +247,13 @@ class LiveDiagnostics(Callback):
             trainer.model[0], self.probe["tokens"].to(device), self.probe["position_ids"].to(device), **self.sink
         )
         record.update(max_logit=max((d.max_logit for d in diags), default=math.nan), **out)
+        scalars = diagnostics.to_scalars(diags)
+        # summary.json: the last probe in the literature's units beside megagate's (F-Attn) and the precursors
+        trainer.summary["diagnostics"] = {
+            "step": output.step,
+            **{k: scalars.get(f"diag/{k}") for k in ("f_attn", "sink", "m_act", "gate_score")},
+            **{k: v for k, v in record.items() if k not in ("step", "update_ratio")},
+        }
         if trainer.logging_rank:
             run_dir = trainer.cfg.output.dir
             if self.writer is not None:
