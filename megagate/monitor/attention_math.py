@@ -76,10 +76,15 @@ def softmax_scale(core_attention: torch.nn.Module, head_dim: int) -> float:
     return scale * float(coeff) if coeff else scale
 
 
+LOG_Z_CHUNK = 1024  # tokens per fp32 chunk of the log-Z computation
+
+
 def log_z(logits: Tensor, tp_group: Any = None) -> Tensor:
     """log sum_v exp(logit_v) per token, in fp32, from this rank's vocabulary shard [..., V / TP]; with a TP group the
     shards combine as max + log sum_r exp(lse_r - max) (megatron splits the output layer's vocabulary over TP)."""
-    local = torch.logsumexp(logits.float(), dim=-1)
+    # in chunks of tokens: an fp32 copy of [s, b, V] logits at once can be gigabytes (eval batches, 150k vocabularies)
+    flat = logits.reshape(-1, logits.shape[-1])
+    local = torch.cat([torch.logsumexp(c.float(), dim=-1) for c in flat.split(LOG_Z_CHUNK)]).reshape(logits.shape[:-1])
     if tp_group is None:
         return local
     import torch.distributed as dist

@@ -82,3 +82,11 @@ def test_log_z_of_the_output_layer_equals_logsumexp_of_the_logits(megatron_world
     assert out["log_z_max"] == pytest.approx(float(expected.max()), rel=1e-5)
     # with these initial weights log Z is near log V (logits ~ 0): a sanity check on the scale, not the definition
     assert abs(out["log_z_mean"] - math.log(logits.shape[-1])) < 1.0
+
+
+def test_log_z_in_chunks_equals_logsumexp():
+    """More tokens than one fp32 chunk (LOG_Z_CHUNK): the chunks join in token order."""
+    from megagate.monitor import attention_math
+
+    logits = torch.randn(attention_math.LOG_Z_CHUNK + 7, 3, 11, generator=torch.Generator().manual_seed(0)) * 4
+    torch.testing.assert_close(attention_math.log_z(logits.bfloat16()), torch.logsumexp(logits.bfloat16().float(), -1))
