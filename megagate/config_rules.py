@@ -147,6 +147,9 @@ def _check_cadence(cfg: TrainConfig) -> None:
         )
     if t.exit_after_steps is not None and t.exit_after_steps < 1:
         raise ConfigError(f"train.exit_after_steps={t.exit_after_steps} must be >= 1 (or unset)")
+    sink = cfg.monitor.diagnostics.sink_length
+    if sink is not None and sink > t.seq_length:  # the probe is a validation micro-batch of train.seq_length
+        raise ConfigError(f"monitor.diagnostics.sink_length={sink} is longer than train.seq_length ({t.seq_length})")
     d = cfg.data
     if d.demo_vocab_size < 259 or d.demo_max_bytes < 1:
         raise ConfigError(

@@ -279,6 +279,8 @@ CASES = [
     C("monitor-fault-kind", [*DRY.split(), "monitor.faults=[{{step: 3, kind: melt}}]"], "kind='melt'"),
     C("monitor-fault-key", [*DRY.split(), "monitor.faults=[{{step: 3, kind: nan_grad, strength: 2}}]"], "strength"),
     C("monitor-diagnostics-key", f"{DRY} monitor.diagnostics.every=5", "monitor.diagnostics.every"),
+    C("sink-epsilon", f"{DRY} monitor.diagnostics.sink_epsilon=1.5", "sink_epsilon=1.5 must be in (0, 1)"),
+    C("sink-length", f"{DRY} monitor.diagnostics.sink_length=4096", "sink_length=4096 is longer than train.seq_length"),
     C("monitor-section-key", f"{DRY} monitor.alarm=1", "monitor.alarm is not a known key"),
     # --- the real train command: refused by validation, before any process group or model ----------------------
     C("train-eval-iters-0", f"{TRAIN} train.eval_iters=0 output.dir={{work}}/run", "train.eval_iters=0", "run"),

@@ -244,6 +244,8 @@ class Group:
     f_attn: float | None
     m_act: float | None
     gate_score: float | None
+    sink_1: float | None = None  # Gu et al.'s Sink^eps_1, mean over the runs
+    spike_score: float | None = None  # the loss's SpikeScore (percent), mean over the runs
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -285,6 +287,8 @@ def group_runs(results: Sequence[Any]) -> list[Group]:
                 f_attn=mean_std(r.f_attn for r in runs)[0],
                 m_act=mean_std(r.m_act for r in runs)[0],
                 gate_score=mean_std(r.gate_score for r in runs)[0],
+                sink_1=mean_std(r.sink_1 for r in runs)[0],
+                spike_score=mean_std(r.spike_score for r in runs)[0],
             )
         )
     return groups
@@ -358,6 +362,8 @@ def record(results: Sequence[Any], groups: Sequence[Group], rule: SpikeRule, tol
                 "f_attn": r.f_attn,
                 "m_act": r.m_act,
                 "gate_score": r.gate_score,
+                "sink_1": r.sink_1,
+                "spike_score": r.spike_score,
                 "sink": sink_summary(r.diagnostics, r.seq_length),
             }
             for r in results

@@ -32,13 +32,16 @@ def format_table(diags: Sequence[D.LayerDiagnostics]) -> str:
         missing = x is None or (isinstance(x, float) and (math.isnan(x) or x == -math.inf))
         return "-" if missing else format(x, spec)
 
-    header = ["layer", "gate_score", "sparsity(<0.1)", "F-Attn", "M-Act", "max_logit"]
+    # Gu et al.'s Sink^0.3_1: the share of (sample, head) pairs over 0.3 of first-token attention, at T tokens
+    sink = f"Sink(T={diags[0].sink_length})" if diags else "Sink"
+    header = ["layer", "gate_score", "sparsity(<0.1)", "F-Attn", sink, "M-Act", "max_logit"]
     rows = [
         [
             str(d.layer),
             f(d.gate_score_mean, ".3f"),
             f(d.gate_sparsity, ".3f"),
             f(d.f_attn, ".3f"),
+            f(d.sink, ".3f"),
             f(d.m_act, ".4g"),
             f(d.max_logit, ".4g"),
         ]
@@ -52,6 +55,7 @@ def format_table(diags: Sequence[D.LayerDiagnostics]) -> str:
                 f(s.get("diag/gate_score"), ".3f"),
                 f(s.get("diag/gate_sparsity"), ".3f"),
                 f(s["diag/f_attn"], ".3f"),
+                f(s["diag/sink"], ".3f"),
                 f(s["diag/m_act"], ".4g"),
                 f(s["diag/max_logit"], ".4g"),
             ]

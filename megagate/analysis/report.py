@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megagate.analysis import aggregate, report_plots
+from megagate.analysis import aggregate, precursors, report_plots
 from megagate.analysis.health_report import health_section
 from megagate.analysis.replay import replay_events
 from megagate.console import cell
@@ -44,6 +44,8 @@ class RunResult:
     f_attn: float | None = None
     m_act: float | None = None
     gate_score: float | None = None
+    sink_1: float | None = None  # Gu et al.'s Sink^eps_1 at the last probe (mean over layers; None: not logged)
+    spike_score: float | None = None  # SpikeScore of the loss, percent (summary.json; None: not recorded)
     curve: list[tuple[int, float]] = field(default_factory=list)  # (step, train loss)
     spike_steps: list[int] = field(default_factory=list)
     valid_loss: float | None = None
@@ -142,6 +144,10 @@ def load_run(
     if result.diagnostics:
         last = result.diagnostics[-1]
         result.f_attn, result.m_act, result.gate_score = last["f_attn"], last["m_act"], last["gate_score"]
+        result.sink_1 = last["sink_1"]
+    score = (summary.get("spike_score") or {}).get("loss") or {}
+    if score.get("percent") is not None:
+        result.spike_score = _number(score["percent"], float, summary_path, "spike_score.loss.percent")
     result.curve_spikes = aggregate.curve_spikes(curve, rule)
     result.spike_match = aggregate.match_events(
         result.curve_spikes, result.spike_steps, max(tolerance, result.logging_interval)
@@ -164,6 +170,7 @@ def _probe_steps(path: Path) -> list[dict[str, Any]]:
         ]
         f_attn = [_number(d.get("f_attn"), float, path, "f_attn") for d in layers]
         sparsity = [float(d["gate_sparsity"]) for d in layers if d.get("gate_sparsity") is not None]
+        sinks = [_number(d["sink"], float, path, "sink") for d in layers if d.get("sink") is not None]
         probes.append(
             {
                 "step": step,
@@ -172,6 +179,8 @@ def _probe_steps(path: Path) -> list[dict[str, Any]]:
                 "m_act": max(_number(d.get("m_act"), float, path, "m_act") for d in layers),
                 "gate_score": statistics.fmean(gates) if gates else None,
                 "gate_sparsity": statistics.fmean(sparsity) if sparsity else None,
+                # Gu et al.'s Sink^eps_1: the mean over layers (each layer has the same heads and samples)
+                "sink_1": statistics.fmean(sinks) if len(sinks) == len(layers) else None,
             }
         )
     return probes
@@ -232,8 +241,10 @@ COLUMNS = (
     "final_loss",
     "valid_ppl",
     "spikes",
+    "SpikeScore",
     "diverged",
     "F-Attn",
+    "Sink_1",
     "M-Act",
     "gate_score",
     "curve_spikes",
@@ -257,8 +268,10 @@ def table(results: Sequence[RunResult]) -> str:
                 cell(r.final_loss),
                 cell(r.valid_ppl),
                 cell(r.num_spikes),
+                cell(r.spike_score, ".3g"),
                 cell(r.diverged),
                 cell(r.f_attn, ".3f"),
+                cell(r.sink_1, ".3f"),
                 cell(r.m_act, ".3g"),
                 cell(r.gate_score, ".3f"),
                 str(len(r.curve_spikes)),
@@ -282,7 +295,9 @@ GROUP_COLUMNS = (
     "event_runs",
     "curve_spikes",
     "tp/fp/miss",
+    "SpikeScore",
     "F-Attn",
+    "Sink_1",
     "M-Act",
     "gate_score",
     "setting",
@@ -313,7 +328,9 @@ def group_table(groups: Sequence[aggregate.Group]) -> str:
                 f"{g.runs_with_events}/{g.n}",
                 str(g.curve_spikes),
                 f"{g.tp}/{g.fp}/{g.misses}",
+                cell(g.spike_score, ".3g"),
                 cell(g.f_attn, ".3f"),
+                cell(g.sink_1, ".3f"),
                 cell(g.m_act, ".3g"),
                 cell(g.gate_score, ".3f"),
                 g.setting,
@@ -351,11 +368,12 @@ def collect(
 
 
 def render_text(c: Collected, replay: SpikeMonitorConfig | None = None) -> str:
-    """The per-run table, the per-group table, and the cluster-health section."""
+    """The per-run table, the per-group table, the cluster-health section and the spike precursors."""
     text = table(c.results) + "\n\nover seeds, per (sweep, setting, variant, lr):\n" + group_table(c.groups)
     if replay is not None:
         text += f"\n(monitor events replayed over the logged curves with monitor.spike = {replay.to_dict()})"
-    return text + health_section([r.run_dir for r in c.results], [r.label for r in c.results])
+    run_dirs, labels = [r.run_dir for r in c.results], [r.label for r in c.results]
+    return text + health_section(run_dirs, labels) + precursors.section(run_dirs, labels)
 
 
 def write_outputs(

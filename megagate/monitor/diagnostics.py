@@ -5,6 +5,12 @@
   gates; the mean and fractions of a broadcast tensor equal those of its expansion, so no expansion is needed).
 * F-Attn — the attention probability on key position 0, averaged over heads, batch and query positions >= 1
   (query 0 can only attend to itself).
+* Sink^eps_1 (Gu et al., "When Attention Sink Emerges in Language Models", ICLR 2025) — the share of (sample,
+  head) pairs whose mean attention on the first token, over all T query positions including the first, exceeds
+  eps = 0.3, at T = 64 (their probe length; the reference code sail-sg/Attention-Sink averages the indicator over
+  samples, layers and heads). Causal attention makes the first T queries of a longer probe see exactly a T-token
+  probe, so it is read from the same forward: probs[:, :, :T, 0]. A probe shorter than 64 gives T = its length
+  (`sink_length` says which).
 * max attention logit — the largest scaled pre-softmax logit q·k·scale over causally visible pairs.
   Both are recomputed in fp32 from the query [sq, b, np, hn] and key [sk, b, ng, hn] that `core_attention` receives
   (after QK-norm and RoPE), captured with a forward pre-hook: backend independent, since flash attention never
@@ -29,6 +35,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megagate.errors import MegagateError
+from megagate.monitor.attention_math import (  # re-exported: the diagnostics' math, in its own module
+    SINK_EPSILON,
+    SINK_LENGTH,
+    attention_logits,
+    attention_stats,
+    check_sink_settings,
+    log_z,
+    softmax_scale,
+)
+
 SPARSE_BELOW = 0.1  # the paper's sparsity threshold on gate scores
 HIST_BINS = 20
 _BOUNDED = ("sigmoid", "ns_sigmoid")  # activations with scores in [0, 1]: fixed histogram bins
@@ -42,6 +59,8 @@ class LayerDiagnostics:
     f_attn: float
     m_act: float
     max_logit: float
+    sink: float = math.nan  # Sink^eps_1 of this layer: share of (sample, head) pairs above eps
+    sink_length: int = 0  # the T it was measured at
     gate_score_mean: float | None = None
     gate_sparsity: float | None = None
     gate_min: float | None = None
@@ -61,49 +80,9 @@ class LayerDiagnostics:
             "f_attn": self.f_attn,
             "m_act": self.m_act,
             "max_logit": self.max_logit,
+            "sink": self.sink,
+            "sink_length": self.sink_length,
         }
-
-
-# --- pure math ---------------------------------------------------------------------------------------------------
-def attention_logits(query: Tensor, key: Tensor, scale: float, mask: Tensor | None = None) -> Tensor:
-    """Scaled causal logits [b, np, sq, sk] in fp32 (masked entries = -inf) from query [sq, b, np, hn], key [sk, b, ng, hn].
-
-    GQA: each key group serves np/ng consecutive query heads (megatron's repeat_interleave). `mask`: optional bool
-    [b or 1, 1, sq, sk], True = masked (megatron's convention), combined with the causal mask.
-    """
-    sq, sk = query.shape[0], key.shape[0]
-    np_, ng = query.shape[2], key.shape[2]
-    q = query.float().permute(1, 2, 0, 3)  # [b, np, sq, hn]
-    k = key.float().permute(1, 2, 0, 3)  # [b, ng, sk, hn]
-    if np_ != ng:
-        k = k.repeat_interleave(np_ // ng, dim=1)
-    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
-    # Causal with the queries aligned to the end of the keys (sq == sk for training probes).
-    causal = torch.ones(sq, sk, dtype=torch.bool, device=logits.device).triu(sk - sq + 1)
-    masked = causal if mask is None else causal | mask.to(torch.bool)
-    return logits.masked_fill(masked, -math.inf)
-
-
-def attention_stats(logits: Tensor) -> dict[str, Tensor]:
-    """Sums and maxima of one attention call (reducible over TP ranks): first-token prob per head, counts, max logit."""
-    probs = torch.softmax(logits, dim=-1)  # [b, np, sq, sk]
-    first = probs[:, :, 1:, 0]  # queries >= 1 on key 0
-    return {
-        "f_sum_per_head": first.sum(dim=(0, 2)),  # [np]
-        "f_count_per_head": torch.full((logits.shape[1],), float(first.shape[0] * first.shape[2])),
-        "max_logit": logits.max(),  # masked entries are -inf
-        "probs": probs,
-    }
-
-
-def softmax_scale(core_attention: torch.nn.Module, head_dim: int) -> float:
-    """The scale core attention applies to q·k (megatron's local or TE module; 1/sqrt(hn) otherwise)."""
-    scale = getattr(core_attention, "softmax_scale", None)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    # megatron's apply_query_key_layer_scaling divides softmax_scale by the layer number and multiplies it back
-    # inside its fused softmax.
-    coeff = getattr(getattr(core_attention, "scale_mask_softmax", None), "scale", None)
-    return scale * float(coeff) if coeff else scale
 
 
 # --- capture -----------------------------------------------------------------------------------------------------
@@ -115,6 +94,8 @@ class _LayerState:
         self.f_sum: Tensor | None = None
         self.f_count: Tensor | None = None
         self.max_logit = -math.inf
+        self.sink_hits = self.sink_pairs = 0.0
+        self.sink_length = 0
         self.m_act = 0.0
         self.g_sum = self.g_count = self.g_sparse = 0.0
         self.g_min, self.g_max = math.inf, -math.inf
@@ -131,13 +112,23 @@ class Probe:
     single-stage case.
     """
 
-    def __init__(self, model: torch.nn.Module, keep_attn_map: bool = False, tp_group: Any = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        keep_attn_map: bool = False,
+        tp_group: Any = None,
+        sink_epsilon: float = SINK_EPSILON,
+        sink_length: int = SINK_LENGTH,
+    ) -> None:
+        check_sink_settings(sink_epsilon, sink_length)
+        self.sink_epsilon, self.sink_length = sink_epsilon, sink_length
         self.model = model
         self.keep_attn_map = keep_attn_map
         self.tp_group = tp_group
         self._handles: list[Any] = []
         self._observed: list[Any] = []
         self._states: dict[int, _LayerState] = {}
+        self._log_z = [0.0, 0, -math.inf]  # sum, tokens, max of the output layer's log Z
 
     def __enter__(self) -> Probe:
         try:
@@ -152,6 +143,9 @@ class Probe:
                 if attn is not None and hasattr(attn, "score_observer"):
                     attn.score_observer = self._score_observer(state, getattr(attn, "gate", None))
                     self._observed.append(attn)
+            output_layer = getattr(_inner(self.model), "output_layer", None)  # the last pipeline stage's
+            if output_layer is not None:
+                self._handles.append(output_layer.register_forward_hook(self._output_hook))
         except BaseException:
             self._remove()
             raise
@@ -175,6 +169,19 @@ class Probe:
 
         return hook
 
+    def _output_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        logits = output[0] if isinstance(output, (tuple, list)) else output  # [s, b, V / TP]
+        values = log_z(logits.detach(), _tp_group(self.tp_group))
+        self._log_z[0] += float(values.sum())
+        self._log_z[1] += values.numel()
+        self._log_z[2] = max(self._log_z[2], float(values.max()))
+
+    def output_stats(self) -> dict[str, float]:
+        """The output logits' log Z = log sum_v exp(logit_v) per token: mean and max over the probe's tokens (the
+        z-loss's quantity; {} on a stage without the output layer)."""
+        total, count, top = self._log_z
+        return {"log_z_mean": total / count, "log_z_max": top} if count else {}
+
     def _core_hook(self, state: _LayerState, core: torch.nn.Module) -> Callable:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             query = args[0] if args else kwargs["query"]
@@ -182,7 +189,10 @@ class Probe:
             mask = args[3] if len(args) > 3 else kwargs.get("attention_mask")
             scale = softmax_scale(core, query.shape[-1])
             logits = attention_logits(query.detach(), key.detach(), scale, mask)
-            stats = attention_stats(logits)
+            stats = attention_stats(logits, self.sink_epsilon, self.sink_length)
+            state.sink_hits += float(stats["sink_hits"])
+            state.sink_pairs += float(stats["sink_pairs"])
+            state.sink_length = int(stats["sink_length"])
             state.f_sum = stats["f_sum_per_head"] if state.f_sum is None else state.f_sum + stats["f_sum_per_head"]
             state.f_count = (
                 stats["f_count_per_head"] if state.f_count is None else state.f_count + stats["f_count_per_head"]
@@ -224,6 +234,8 @@ class Probe:
                 f_attn=float(st.f_sum.sum() / st.f_count.sum().clamp_min(1)) if st.f_sum is not None else math.nan,
                 m_act=st.m_act,
                 max_logit=st.max_logit,
+                sink=st.sink_hits / st.sink_pairs if st.sink_pairs else math.nan,
+                sink_length=st.sink_length,
                 f_attn_per_head=f_heads,
                 attn_map=st.attn_map,
             )
@@ -238,14 +250,15 @@ class Probe:
         return out
 
 
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    inner = model
-    while hasattr(inner, "module") and not hasattr(inner, "decoder"):  # DDP / Float16Module wrappers
-        inner = inner.module
-    decoder = getattr(inner, "decoder", None)
-    if decoder is None or not hasattr(decoder, "layers"):
-        from megagate.errors import MegagateError
+def _inner(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module") and not hasattr(model, "decoder"):  # DDP / Float16Module wrappers
+        model = model.module
+    return model
 
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    decoder = getattr(_inner(model), "decoder", None)
+    if decoder is None or not hasattr(decoder, "layers"):
         raise MegagateError(f"diagnostics need a megatron GPTModel with decoder.layers; got {type(model).__name__}")
     return list(decoder.layers)
 
@@ -283,12 +296,14 @@ def _reduce_tp(states: list[_LayerState], tp_group: Any) -> None:
             counts = [torch.empty_like(st.f_count) for _ in parts]
             dist.all_gather(counts, st.f_count.contiguous(), group=group)
             st.f_sum, st.f_count = torch.cat(parts), torch.cat(counts)
-    sums = torch.tensor([[st.g_sum, st.g_count, st.g_sparse] for st in states], dtype=torch.float64)
-    dist.all_reduce(sums, group=group)
+    sums = torch.tensor(
+        [[st.g_sum, st.g_count, st.g_sparse, st.sink_hits, st.sink_pairs] for st in states], dtype=torch.float64
+    )
+    dist.all_reduce(sums, group=group)  # heads are split over TP: the sink's hits and pairs add up
     maxima = torch.tensor([[st.max_logit, st.m_act, st.g_max, -st.g_min] for st in states], dtype=torch.float64)
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
     for i, st in enumerate(states):
-        st.g_sum, st.g_count, st.g_sparse = sums[i].tolist()
+        st.g_sum, st.g_count, st.g_sparse, st.sink_hits, st.sink_pairs = sums[i].tolist()
         st.max_logit, st.m_act, st.g_max, neg_min = maxima[i].tolist()
         st.g_min = -neg_min
         if st.g_hist is not None:
@@ -302,17 +317,33 @@ def collect(
     position_ids: Tensor | None = None,
     attention_mask: Tensor | None = None,
     keep_attn_map: bool = False,
+    sink_epsilon: float = SINK_EPSILON,
+    sink_length: int = SINK_LENGTH,
 ) -> list[LayerDiagnostics]:
     """Run one no-grad eval forward of `tokens` [b, s] through `model` (one pipeline stage holding the embedding)
     and return this rank's layers' diagnostics; the model's train/eval mode is restored afterwards."""
+    return collect_with_output(model, tokens, position_ids, attention_mask, keep_attn_map, sink_epsilon, sink_length)[0]
+
+
+def collect_with_output(
+    model: torch.nn.Module,
+    tokens: Tensor,
+    position_ids: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    keep_attn_map: bool = False,
+    sink_epsilon: float = SINK_EPSILON,
+    sink_length: int = SINK_LENGTH,
+) -> tuple[list[LayerDiagnostics], dict[str, float]]:
+    """`collect`, and the output layer's log-Z statistics (`Probe.output_stats`)."""
     if position_ids is None:
         position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), Probe(model, keep_attn_map=keep_attn_map) as probe:
+        probe = Probe(model, keep_attn_map=keep_attn_map, sink_epsilon=sink_epsilon, sink_length=sink_length)
+        with torch.no_grad(), probe:
             model(tokens, position_ids, attention_mask)
-        return probe.results()
+        return probe.results(), probe.output_stats()
     finally:
         model.train(was_training)
 
@@ -326,7 +357,8 @@ def to_scalars(diags: list[LayerDiagnostics], prefix: str = "diag") -> dict[str,
     """TensorBoard tags -> values: per layer (`diag/layer_03/f_attn`, ...) and model-level summaries.
 
     Model level: f_attn and gate_score are averages over layers (the paper's F-Attn / gate score columns);
-    m_act and max_logit are maxima over layers (the paper's M-Act is the largest activation).
+    m_act and max_logit are maxima over layers (the paper's M-Act is the largest activation); sink is the mean of
+    the layers' Sink^0.3_1 (= Gu et al.'s mean over layers, heads and samples: the layers have equal counts).
     """
     out: dict[str, float] = {}
     for d in diags:
@@ -334,6 +366,7 @@ def to_scalars(diags: list[LayerDiagnostics], prefix: str = "diag") -> dict[str,
         out[f"{tag}/f_attn"] = d.f_attn
         out[f"{tag}/m_act"] = d.m_act
         out[f"{tag}/max_logit"] = d.max_logit
+        out[f"{tag}/sink"] = d.sink
         if d.gate_score_mean is not None:
             out[f"{tag}/gate_score"] = d.gate_score_mean
             out[f"{tag}/gate_sparsity"] = d.gate_sparsity
@@ -341,6 +374,7 @@ def to_scalars(diags: list[LayerDiagnostics], prefix: str = "diag") -> dict[str,
         out[f"{prefix}/f_attn"] = _mean([d.f_attn for d in diags])
         out[f"{prefix}/m_act"] = max(d.m_act for d in diags)
         out[f"{prefix}/max_logit"] = max(d.max_logit for d in diags)
+        out[f"{prefix}/sink"] = _mean([d.sink for d in diags])  # every layer has the same heads and samples
         gated = [d for d in diags if d.gate_score_mean is not None]
         if gated:
             out[f"{prefix}/gate_score"] = _mean([d.gate_score_mean for d in gated])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +20,14 @@ class EventLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.writer = writer
 
-    def write(self, events: Iterable[SpikeEvent]) -> None:
+    def write(self, events: Iterable[SpikeEvent], samples: Mapping[int, tuple[int, int]] | None = None) -> None:
+        """`samples`: step -> [first, end) global sample positions of its batch, written as the event's "samples"
+        (the ids of the samples in the spiking batch)."""
         for event in events:
-            runfiles.append_jsonl(self.path, event.to_dict())
+            record = event.to_dict()
+            if samples is not None and event.step in samples:
+                record["samples"] = list(samples[event.step])
+            runfiles.append_jsonl(self.path, record)
             if self.writer is not None:
                 self._to_tensorboard(event)
 

@@ -4,8 +4,12 @@
     RUN_DIR/metrics.jsonl      {"step", "split": "train", "loss", "lr", "grad_norm", "tokens_per_s"}
                                {"step", "split": "valid", "loss", "ppl"}
     RUN_DIR/events.jsonl       spike events: {"step", "metric", "value", "baseline", "score", "action", "reason"}
-    RUN_DIR/diagnostics.jsonl  {"step", "layer", "gate_score_mean", "gate_sparsity", "f_attn", "m_act", "max_logit"}
-    RUN_DIR/summary.json       {"steps", "final_loss", "final_valid_loss", "diverged", "aborted"?}
+    RUN_DIR/diagnostics.jsonl  {"step", "layer", "gate_score_mean", "gate_sparsity", "f_attn", "m_act", "max_logit",
+                                "sink", "sink_length"} (Sink^eps_1 and its T: older runs lack them)
+    RUN_DIR/precursors.jsonl   {"step", "update_ratio": {"0": .., "other": ..}, "update_ratio_max", "max_logit",
+                                "log_z_mean", "log_z_max"} (spike precursors, at the diagnostics' probes)
+    RUN_DIR/summary.json       {"steps", "final_loss", "final_valid_loss", "diverged", "aborted"?, "spikes"?,
+                                "spike_score"? (monitor.spike_score: percent, spikes, judged per metric)}
 
 JSONL lines are appended with one `os.write` on an O_APPEND descriptor (a line is never interleaved or half-written
 by another writer on a local file system); whole files (summary, config) are written to a temporary name and renamed.
@@ -29,6 +33,7 @@ CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
 DIAGNOSTICS = "diagnostics.jsonl"
+PRECURSORS = "precursors.jsonl"
 SUMMARY = "summary.json"
 
 TRAIN_KEYS = ("step", "split", "loss", "lr", "grad_norm", "tokens_per_s")
@@ -216,7 +221,8 @@ def iter_run_files(run_dir: str | os.PathLike) -> Iterator[Path]:
 
 
 def truncate_after(run_dir: str | os.PathLike, step: int) -> int:
-    """Drop the records of steps after `step` from the run's step-keyed JSONL files (metrics, events, diagnostics);
+    """Drop the records of steps after `step` from the run's step-keyed JSONL files (metrics, events, diagnostics,
+    precursors);
     the number dropped.
 
     A resumed launch continues from its checkpoint's step: what an earlier launch logged after that step (it was
@@ -224,7 +230,7 @@ def truncate_after(run_dir: str | os.PathLike, step: int) -> int:
     rewritten atomically, and only when something is dropped.
     """
     dropped = 0
-    for name in (METRICS, EVENTS, DIAGNOSTICS):
+    for name in (METRICS, EVENTS, DIAGNOSTICS, PRECURSORS):
         path = Path(run_dir) / name
         records = read_jsonl(path)
         kept = [r for r in records if int(r.get("step", 0)) <= step]

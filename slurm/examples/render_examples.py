@@ -22,6 +22,8 @@ from megagate.slurm import SlurmRequest, write_script  # noqa: E402
 CONFIG_15A2B = "slurm/examples/configs/15a2b_moe.yaml"
 CONFIG_TINY = "slurm/examples/configs/tiny.yaml"
 CONFIG_48L = "slurm/examples/configs/1p7b_48l_stability.yaml"
+CONFIG_SINK = "slurm/examples/configs/sink_60m.yaml"
+CONFIG_PROXY = "slurm/examples/configs/deep_thin_proxy.yaml"
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,22 @@ JOBS = (
         CONFIG_48L,
         lrs=(4e-3, 8e-3),
         variants=("baseline", "g1-elementwise", "sandwich-norm"),
+    ),
+    # Gu et al.'s 60M sink setting (docs/monitoring.md §7.2): baseline vs G1, 2.1B tokens each on one 8-GPU node
+    Job(
+        "sink_60m_array.sbatch",
+        replace(MOE_8X8, nodes=1, time="01:00:00", job_name="sink-60m", array="0-1"),
+        CONFIG_SINK,
+        lrs=(4e-4,),
+        variants=("baseline", "g1-elementwise"),
+    ),
+    # a deep-thin stability proxy (Wortsman et al. 2023; docs/science.md): 32 x d 384, QK-norm, LR 2e-3 .. 3e-2
+    Job(
+        "deep_thin_proxy_array.sbatch",
+        replace(MOE_8X8, nodes=1, time="04:00:00", job_name="deep-thin-proxy", array="0-7"),
+        CONFIG_PROXY,
+        lrs=(2e-3, 5e-3, 1e-2, 3e-2),
+        variants=("baseline", "g1-elementwise"),
     ),
 )
 

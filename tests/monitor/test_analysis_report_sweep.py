@@ -40,7 +40,7 @@ def test_analyze_model_table_and_plots(megatron_world, tmp_path):
     table = analyze.analyze_model(model, tokens, tmp_path)
     diags = diagnostics.collect(model, tokens)
     lines = table.splitlines()
-    assert lines[0].split() == ["layer", "gate_score", "sparsity(<0.1)", "F-Attn", "M-Act", "max_logit"]
+    assert lines[0].split() == ["layer", "gate_score", "sparsity(<0.1)", "F-Attn", "Sink(T=32)", "M-Act", "max_logit"]
     row1 = lines[3].split()
     assert row1[0] == "1" and float(row1[3]) == pytest.approx(diags[1].f_attn, abs=5e-4)
     assert float(row1[1]) == pytest.approx(diags[1].gate_score_mean, abs=5e-4)
@@ -120,14 +120,20 @@ def test_report_aggregates_real_runs(report_runs, tmp_path):
     )
     base = report.load_run(sweep_dir / "base_lr0.003")
     assert base.curve_spikes == [] and base.spike_match.fp == base.num_spikes == 0  # the clean run: nothing either way
-    assert rows["g1_lr0.003"][12:15] == ["0", "0/1/0", "sweep"]  # curve_spikes, tp/fp/miss, the sweep (parent) folder
+    assert rows["g1_lr0.003"][14:17] == ["0", "0/1/0", "sweep"]  # curve_spikes, tp/fp/miss, the sweep (parent) folder
     diag = runfiles.read_jsonl(sweep_dir / "g1_lr0.003" / runfiles.DIAGNOSTICS)
     assert g1.f_attn == pytest.approx(sum(d["f_attn"] for d in diag) / 2)
     assert g1.m_act == max(d["m_act"] for d in diag)
     summary = runfiles.read_json(sweep_dir / "g1_lr0.003" / runfiles.SUMMARY)
     assert rows["g1_lr0.003"][5] == f"{summary['final_loss']:.4g}" and rows["g1_lr0.003"][7] == "1"
-    assert rows["base_lr0.003"][11] == "-"  # no gate score for the baseline
-    assert rows["base_lr1"][8] == "yes" and report.load_run(bad).diverged
+    assert rows["base_lr0.003"][13] == "-"  # no gate score for the baseline
+    assert rows["base_lr1"][9] == "yes" and report.load_run(bad).diverged
+    # Gu et al.'s Sink_1 at the last probe: the mean over layers of diagnostics.jsonl's sink
+    assert g1.sink_1 == pytest.approx(sum(d["sink"] for d in diag) / 2)
+    assert rows["g1_lr0.003"][11] == f"{g1.sink_1:.3f}"
+    # 60 steps < the SpikeScore's 128-step look-back: nothing judged yet, the column says so
+    assert summary["spike_score"]["loss"] == {"percent": None, "spikes": 0, "judged": 0}
+    assert g1.spike_score is None and rows["g1_lr0.003"][8] == "-"
     for name in ("loss_curves", "final_loss_vs_lr", "lr_sensitivity", "diagnostics_over_training"):
         assert_png(tmp_path / "out" / f"{name}.png")
     assert (tmp_path / "out" / "report.txt").read_text().strip() == text

@@ -102,9 +102,13 @@ def test_analyze_command_prints_table_and_writes_plots(trained: Path, megatron_w
     rows = {line.split()[0]: line.split() for line in table.splitlines() if re.match(r"\s*(\d+|all)\s", line)}
     assert sorted(rows) == ["0", "1", "all"]
     for key in ("0", "1", "all"):
-        gate, sparsity, f_attn, m_act, max_logit = map(float, rows[key][1:])
+        gate, sparsity, f_attn, sink, m_act, max_logit = map(float, rows[key][1:])
         assert 0 < gate < 1 and 0 <= sparsity <= 1 and 0 < f_attn < 1 and m_act > 0 and max_logit > 0
-    assert float(rows["all"][4]) == max(float(rows["0"][4]), float(rows["1"][4]))  # model M-Act = max over layers
+        assert 0 <= sink <= 1
+    assert "Sink(T=32)" in table  # --seq-len 32: shorter than Gu et al.'s 64, and the header says so
+    assert float(rows["all"][5]) == max(float(rows["0"][5]), float(rows["1"][5]))  # model M-Act = max over layers
+    # the model's Sink is the mean over layers (equal heads and samples in each)
+    assert float(rows["all"][4]) == pytest.approx((float(rows["0"][4]) + float(rows["1"][4])) / 2, abs=1e-3)
     for name in ("first_token_attention.png", "gate_scores.png", "max_activation.png", "attention_map.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name

@@ -144,7 +144,8 @@ def test_no_hooks_remain_and_errors_clean_up(megatron_world):
     assert instrumented() == 0
     with pytest.raises(RuntimeError, match="interrupted"):
         with D.Probe(model):
-            assert instrumented() == 2 * 3  # per layer: layer hook, core-attention pre-hook, score observer
+            # per layer: layer hook, core-attention pre-hook, score observer; and the output layer's log-Z hook
+            assert instrumented() == 2 * 3 + 1
             model(tokens(), torch.arange(SEQ).expand(2, -1), None)
             raise RuntimeError("interrupted")  # e.g. an OOM in the middle of a probe
     assert instrumented() == 0
@@ -181,4 +182,6 @@ def test_sparse_scores_histogram_and_tensorboard(megatron_world, tmp_path):
         "f_attn": diags[1].f_attn,
         "m_act": diags[1].m_act,
         "max_logit": diags[1].max_logit,
+        "sink": diags[1].sink,
+        "sink_length": SEQ,  # the probe is shorter than Gu et al.'s 64 tokens
     }

@@ -199,7 +199,9 @@ def test_report_aggregates_seeds_and_keeps_sweeps_apart(sweeps, tmp_path, capsys
     )
     assert grow[gheader.index("final_loss")] == "5.405±0.0071" and grow[gheader.index("diverged")] == "1/3"
     assert grow[gheader.index("tp/fp/miss")] == "2/1/0" and grow[gheader.index("event_runs")] == "3/3"
+    per_group, tagged = per_group.split("\n\nspike precursors")  # then, per spike event, what moved first
     assert len(per_group.splitlines()) == 2 + 8
+    assert "qk_off/baseline_lr0.1_s2  step 40 (loss): first moved: none" in tagged  # these runs log no precursors
     for name in ("loss_curves", "final_loss_vs_lr", "lr_sensitivity", "diagnostics_over_training"):
         assert (out / f"{name}.png").read_bytes()[:8] == PNG_MAGIC, name
     assert not list(out.glob(".*"))  # no temporary files left

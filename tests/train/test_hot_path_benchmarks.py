@@ -48,3 +48,17 @@ def test_bench_loop_overhead_prints_the_paired_ratio(clock: str, session_demo_di
     assert row is not None, out
     ours, plain, ratio = (float(row[i]) for i in (1, 2, 3))
     assert ours > 0 and plain > 0 and ratio == pytest.approx(ours / plain, rel=0.01), out
+
+
+def test_bench_monitor_overhead_prints_its_ratios(session_demo_dir: Path):
+    """benchmarks/bench_monitor_overhead.py as shipped, one round of its three arms (monitor off, defaults, every
+    probe on at each logging step): each arm's step time and the two paired ratios, consistent with each other."""
+    out = _run(
+        ["benchmarks/bench_monitor_overhead.py", "--rounds", "1", "--windows", "2", "--warmup", "0", "--interval", "4"]
+        + ["--probe-every", "4", "--data-dir", str(session_demo_dir)]
+    )
+    times = {m[1]: float(m[2]) for m in re.finditer(r"^(off|default|all)\s+([\d.]+) ms/step$", out, re.M)}
+    ratios = {m[1]: float(m[2]) for m in re.finditer(r"^(default / off|all / default): ([\d.]+) \(", out, re.M)}
+    assert sorted(times) == ["all", "default", "off"] and all(t > 0 for t in times.values()), out
+    assert ratios["default / off"] == pytest.approx(times["default"] / times["off"], rel=0.01), out
+    assert ratios["all / default"] == pytest.approx(times["all"] / times["default"], rel=0.01), out

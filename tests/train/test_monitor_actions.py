@@ -267,6 +267,7 @@ def test_live_diagnostics_jsonl_and_tensorboard(runs: dict) -> None:
         assert 0.0 < r["gate_score_mean"] < 1.0 and 0.0 <= r["gate_sparsity"] <= 1.0
         assert 0.0 < r["f_attn"] < 1.0
         assert r["m_act"] > 0 and math.isfinite(r["max_logit"])
+        assert 0.0 <= r["sink"] <= 1.0 and r["sink_length"] == 64  # Gu et al.'s T = 64 = train.seq_length here
     # the probe batch is fixed, the model trains: the statistics move between probes
     by_step = {s: [r for r in records if r["step"] == s and r["layer"] == 0][0] for s in expected_steps}
     assert by_step[5]["m_act"] != by_step[STEPS]["m_act"]
@@ -276,12 +277,52 @@ def test_live_diagnostics_jsonl_and_tensorboard(runs: dict) -> None:
     acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for tag in ("diag/f_attn", "diag/gate_score", "diag/m_act", "diag/max_logit", "diag/layer_01/f_attn"):
+    for tag in ("diag/f_attn", "diag/sink", "diag/gate_score", "diag/m_act", "diag/max_logit", "diag/layer_01/f_attn"):
         assert tag in tags, sorted(tags)
         assert [e.step for e in acc.Scalars(tag)] == expected_steps
     m_act = {e.step: e.value for e in acc.Scalars("diag/m_act")}
     top = {s: max(r["m_act"] for r in records if r["step"] == s) for s in expected_steps}
     assert m_act == pytest.approx(top, rel=1e-6)
+    # summary.json: the last probe's model-level values (Sink^0.3_1 beside F-Attn, the precursors)
+    last = summary(run)["diagnostics"]
+    assert last["step"] == STEPS and last["m_act"] == pytest.approx(top[STEPS], rel=1e-6)
+    layers = [r for r in records if r["step"] == STEPS]
+    assert last["sink"] == pytest.approx(sum(r["sink"] for r in layers) / len(layers))
+    assert last["max_logit"] == max(r["max_logit"] for r in layers) and last["update_ratio_max"] > 0
+    for tag in (
+        "precursor/update_ratio",
+        "precursor/max_logit",
+        "precursor/log_z_max",
+        "precursor/layer_01/update_ratio",
+    ):
+        assert [e.step for e in acc.Scalars(tag)] == expected_steps, tag
+
+
+def test_update_ratio_precursor_equals_the_checkpoints(runs: dict, tmp_path: Path) -> None:
+    """precursors.jsonl's per-layer update RMS / weight RMS at the probe steps 10 and 15 of the skip run (checkpoints
+    every step) equals ||w_s - w_(s-1)|| / ||w_(s-1)|| computed from its checkpoints; log Z and max logit are there."""
+    run = runs["skip"]
+    records = {r["step"]: r for r in map(json.loads, (run / "precursors.jsonl").read_text().splitlines())}
+    assert sorted(records) == list(range(DIAG_INTERVAL, STEPS + 1, DIAG_INTERVAL))
+    for step in (10, 15):
+        before, after = (
+            model_tensors(checkpoint_tensors(run / "checkpoints" / f"iter_{s:07d}", tmp_path)) for s in (step - 1, step)
+        )
+        sums: dict[str, list[float]] = {}
+        for key, w in before.items():
+            if not w.is_floating_point() or "_extra_state" in key:
+                continue
+            # dist_checkpointing stacks the layers' tensors on a leading axis: decoder.layers.<name> [L, ...]
+            parts = enumerate(zip(w, after[key])) if key.startswith("decoder.layers.") else [("other", (w, after[key]))]
+            for group, (old, new) in parts:
+                acc = sums.setdefault(str(group), [0.0, 0.0])
+                acc[0] += float((new.double() - old.double()).square().sum())
+                acc[1] += float(old.double().square().sum())
+        expected = {k: math.sqrt(u / w) for k, (u, w) in sums.items()}
+        assert records[step]["update_ratio"] == pytest.approx(expected, rel=1e-6), step
+        assert records[step]["update_ratio_max"] == max(expected.values())
+        assert math.isfinite(records[step]["log_z_mean"]) and records[step]["log_z_max"] >= records[step]["log_z_mean"]
+        assert math.isfinite(records[step]["max_logit"])
 
 
 # --- clean long run ------------------------------------------------------------------------------------------------

@@ -152,6 +152,18 @@ def test_ep2_moe_matches_ep1(tmp_path, demo_dir):
     assert ep1[12] < ep1[1] - 0.1
     for step in ep1:
         assert abs(ep1[step] - ep2[step]) < 2e-4, (step, ep1[step], ep2[step])
+    # router health (summary.json, the last logging window = step 12): the world all-reduce of EP 2 counts what
+    # EP 1 counts, every token of the step routed to its top 2 of 4 experts in both layers
+    import json
+
+    r1, r2 = (json.loads((tmp_path / d / "summary.json").read_text())["router"] for d in ("ep1", "ep2"))
+    assert sorted(r1["window"]["layers"]) == ["0", "1"]
+    for layer, v in r1["window"]["layers"].items():
+        assert v["tokens"] == r2["window"]["layers"][layer]["tokens"] == 8 * 64 * 2
+        # a near-tie in the top 2 may route a token differently (the losses agree to 2e-4, not bit for bit)
+        assert v["max_over_mean"] == pytest.approx(r2["window"]["layers"][layer]["max_over_mean"], abs=0.05)
+        assert 0 < v["entropy"] <= 1
+    assert r1["dead_whole_run"] == r2["dead_whole_run"]
 
 
 @pytest.mark.distributed
