@@ -62,7 +62,8 @@ def test_import_and_the_other_commands_refuse_their_input(run_dir, tmp_path, cap
     ck = run_dir / "checkpoints" / "iter_0000004"
     err = refused(["analyze", str(ck), "--out", str(ck)], capsys)
     assert f"--out {str(ck)!r} is the input checkpoint" in err
-    argv = ["eval", str(run_dir), "--seq-lengths", "32", "--data", "demo", "--out", str(run_dir / "eval")]
+    # <run>/eval (eval's default) is beside the checkpoints; inside the checkpoint itself it is refused
+    argv = ["eval", str(run_dir), "--seq-lengths", "32", "--data", "demo", "--out", str(ck / "eval")]
     err = refused(argv, capsys)
     assert "lies inside the input checkpoint" in err and "(writing there would change it)" in err
     err = refused(["report", str(run_dir), "--out", str(tmp_path / "link")], capsys)

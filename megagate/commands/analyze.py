@@ -44,6 +44,20 @@ def run_folder(source: str | Path) -> Path:
     return root.parent if root.name == "checkpoints" else root
 
 
+def read_paths(sources: Sequence[str]) -> list[str]:
+    """What a command reading these checkpoints must not write into: each one's checkpoint folder (a run folder's
+    newest iter_NNNNNNN, so `<run>/analysis` stays allowed), or the path as given when it is none (an HF folder)."""
+    from megagate import checkpoint as ckpt
+
+    paths = []
+    for source in sources:
+        try:
+            paths.append(str(ckpt.resolve(source)))
+        except MegagateError:
+            paths.append(source)
+    return paths
+
+
 def default_out(sources: Sequence[str], what: str) -> str:
     """`<run>/<what>` for checkpoints of one run; a one-line refusal for several runs (no folder is theirs)."""
     runs = {run_folder(s).resolve(): run_folder(s) for s in sources}
@@ -90,8 +104,9 @@ def load_model_for_analysis(
 def run(args: argparse.Namespace) -> int:
     from megagate.files import refuse_own_input
 
-    inputs = [("checkpoint", args.checkpoint), ("--text", args.text)]
-    refuse_own_input(args.out, inputs, replaces=getattr(args, "force", False))
+    inputs = [("checkpoint", p) for p in read_paths([args.checkpoint])] + [("--text", args.text)]
+    if args.out is not None:  # the default, <run>/analysis, is beside the checkpoints
+        refuse_own_input(args.out, inputs, replaces=getattr(args, "force", False))
     if args.seq_len < 2 or args.batch < 1:
         raise MegagateError(f"--seq-len {args.seq_len} must be >= 2 and --batch {args.batch} >= 1")
     if args.text is not None and not Path(args.text).is_file():

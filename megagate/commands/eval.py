@@ -55,8 +55,11 @@ def run(args: argparse.Namespace) -> int:
     from megagate.evaluate import options
     from megagate.files import refuse_own_input
 
-    inputs = [("checkpoint", c) for c in args.checkpoints]
-    refuse_own_input(args.out, inputs, replaces=getattr(args, "force", False))
+    from megagate.commands.analyze import read_paths
+
+    if args.out is not None:  # the default, <run>/eval, is beside the checkpoints
+        inputs = [("checkpoint", c) for c in read_paths(args.checkpoints)]
+        refuse_own_input(args.out, inputs, replaces=getattr(args, "force", False))
 
     for flag, value, low in (
         ("--samples", args.samples, 1),

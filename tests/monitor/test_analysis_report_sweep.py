@@ -53,7 +53,8 @@ def test_analyze_model_table_and_plots(megatron_world, tmp_path):
 def test_analyze_command_refuses_a_folder_that_is_no_checkpoint(tmp_path):
     parser = argparse.ArgumentParser()
     analyze_cmd.add_arguments(parser)
-    args = parser.parse_args([str(tmp_path), "--out", str(tmp_path / "a")])
+    (tmp_path / "folder").mkdir()
+    args = parser.parse_args([str(tmp_path / "folder"), "--out", str(tmp_path / "a")])
     with pytest.raises(MegagateError, match="has no readable megagate.json"):
         analyze_cmd.run(args)
     with pytest.raises(MegagateError, match="no such file"):
