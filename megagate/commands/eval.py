@@ -51,11 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megagate.commands.analyze import read_paths
     from megagate.errors import MegagateError
     from megagate.evaluate import options
     from megagate.files import refuse_own_input
-
-    from megagate.commands.analyze import read_paths
 
     if args.out is not None:  # the default, <run>/eval, is beside the checkpoints
         inputs = [("checkpoint", c) for c in read_paths(args.checkpoints)]
