@@ -107,6 +107,13 @@ def resolve(
     if training:
         kwargs.update(fp8)
         kwargs.update(_perf_kwargs(cfg, perf))
+        # what Megatron-LM's argument parser sets beyond the dataclass defaults (docs/performance.md, the recipe
+        # comparison): context parallelism's ring exchange, and the pipeline's outputs freed once sent (GPU: with
+        # gloo's CPU sends megagate keeps them)
+        kwargs.update(cp_comm_type="p2p", deallocate_pipeline_outputs=machine.gpu)
+        if machine.gpu and cfg.parallel.virtual_pipeline_model_parallel_size:
+            # the interleaved schedule's sends overlapped with compute, one by one (--overlap-p2p-communication)
+            kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     else:
         kwargs.update(perform_initialization=False)
     return RunSetup(

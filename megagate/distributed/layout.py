@@ -43,11 +43,12 @@ class Layout:
     num_microbatches: int
     num_experts: int = 0
     vpp: int | None = None
+    expert_tp: int | None = None  # parallel.expert_tensor_parallel_size (None: TP)
 
     @property
     def etp(self) -> int:
-        """Expert tensor-parallel size: megatron's default, the dense TP size."""
-        return self.tp
+        """Expert tensor-parallel size: parallel.expert_tensor_parallel_size, else megatron's default, the TP size."""
+        return self.tp if self.expert_tp is None else self.expert_tp
 
     @property
     def expert_dp(self) -> int:
@@ -89,7 +90,11 @@ def check_parallel(parallel: ParallelConfig, num_experts: int = 0) -> None:
             raise ConfigError(
                 f"parallel.virtual_pipeline_model_parallel_size ({vpp}) needs pipeline_model_parallel_size > 1"
             )
-    ep = parallel.expert_model_parallel_size
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
+    if etp is not None and (not _integer(etp) or etp < 1):
+        raise ConfigError(f"parallel.expert_tensor_parallel_size={etp!r} must be >= 1 (or unset: TP)")
+    if etp is not None and not num_experts:
+        raise ConfigError(f"parallel.expert_tensor_parallel_size ({etp}) needs an MoE model (model.num_experts > 0)")
     if ep > 1 and not num_experts:
         raise ConfigError(f"parallel.expert_model_parallel_size ({ep}) needs an MoE model (model.num_experts > 0)")
     if num_experts and num_experts % ep:
@@ -125,7 +130,15 @@ def layout(
             f"world size {world_size} is not divisible by TP ({tp}) x PP ({pp}) x CP ({cp}) = {model_parallel}"
         )
     dp = world_size // model_parallel
-    if (dp * cp) % ep:  # = world % (ETP x EP x PP) with ETP = TP: the expert grid does not fill the world
+    etp = parallel.expert_tensor_parallel_size
+    if etp is not None and world_size % (etp * ep * pp):
+        raise ConfigError(
+            f"megatron's expert grid ETP ({etp}) x EP ({ep}) x PP ({pp}) = {etp * ep * pp} must divide world size "
+            f"{world_size} (parallel.expert_tensor_parallel_size, expert_model_parallel_size)"
+        )
+    if (
+        etp is None and (dp * cp) % ep
+    ):  # = world % (ETP x EP x PP) with ETP = TP: the expert grid does not fill the world
         raise ConfigError(
             f"parallel.expert_model_parallel_size ({ep}) must divide DP ({dp}) x CP ({cp}) = {dp * cp}: "
             f"megatron's expert grid ETP ({tp}) x EP ({ep}) x PP ({pp}) = {tp * ep * pp} must divide "
@@ -157,6 +170,7 @@ def layout(
         num_microbatches,
         num_experts=num_experts,
         vpp=vpp,
+        expert_tp=etp,
     )
 
 
@@ -216,8 +230,9 @@ def stage_layers(parallel: ParallelConfig, num_layers: int) -> tuple[tuple[int, 
     grid = [[total // (pp * chunks)] * chunks for _ in range(pp)]
     grid[0][0] -= p.account_for_embedding_in_pipeline_split
     grid[pp - 1][chunks - 1] -= p.account_for_loss_in_pipeline_split
-    if pp > 1 and min(min(row) for row in grid) < 1:
-        raise ConfigError(f"model.num_layers ({num_layers}) over {pp * chunks} virtual stages leaves a stage empty")
+    # a chunk of the embedding (or the loss) alone is megatron's (Llama-3.1-405B: 126 + 2 over 128 virtual stages)
+    if min(min(row) for row in grid) < 0:
+        raise ConfigError(f"model.num_layers ({num_layers}) is fewer than the {pp * chunks} virtual stages")
     return tuple(tuple(row) for row in grid)
 
 

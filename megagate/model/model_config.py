@@ -313,6 +313,7 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     context_parallel_size: int = 1
     sequence_parallel: bool = False
+    expert_tensor_parallel_size: int | None = None  # None: TP (megatron's default); NVIDIA's MoE recipes use 1
     # uneven pipeline splits (megatron's TransformerConfig options; rules: megagate.distributed.layout.stage_layers)
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None

@@ -68,7 +68,8 @@ def layer_items(model: ModelConfig, shape: ActivationShape, k: Kernels, recomput
     """Bytes autograd keeps for one transformer layer and one micro-batch, by item (no recomputation inside)."""
     s, b, t, a = shape.seq, shape.micro_batch, shape.tp, shape.act_bytes
     h, d = model.hidden_size, model.head_dim
-    n, g = model.num_attention_heads // t, model.num_query_groups // t
+    # groups fewer than TP: each rank holds one whole group (megatron gathers its projection)
+    n, g = model.num_attention_heads // t, max(1, model.num_query_groups // t)
     tok_full = s * b  # tokens after the sequence-parallel all-gather (attention, MLP interior)
     tok = tok_full // t if shape.sequence_parallel else tok_full  # tokens in the sequence domain
     x_q, x_kv = tok_full * n * d, tok_full * g * d  # elements of q (or the context) and of k (or v)
@@ -145,7 +146,7 @@ def selective_kept(model: ModelConfig, shape: ActivationShape) -> int:
     exactly on CPU against the storages a real forward saves (tests/plan/test_activations.py).
     """
     a, tokens = shape.act_bytes, shape.seq * shape.micro_batch
-    n, g, d = model.num_attention_heads // shape.tp, model.num_query_groups // shape.tp, model.head_dim
+    n, g, d = model.num_attention_heads // shape.tp, max(1, model.num_query_groups // shape.tp), model.head_dim
     rotated = a * tokens * (n + g) * d  # query and key after RoPE
     position = model.gate.position
     value = a * tokens * g * d if position == "g2" else 0 if position == "g3" else qkv_output_bytes(model, shape)

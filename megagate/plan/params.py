@@ -54,14 +54,17 @@ class RankShape:
     cp: int = 1
     dp: int = 1  # dense data-parallel size (world / (TP x PP x CP))
     expert_dp: int = 1  # world / (ETP x EP x PP)
+    etp: int | None = None  # expert tensor parallelism (None: TP)
+    stage_layers: tuple[tuple[int, ...], ...] | None = None  # [PP][chunk] layers (None: the even split)
 
     @property
     def chunks(self) -> int:
         return self.vpp or 1
 
 
-def layer_params(model: ModelConfig, tp: int, ep: int, prefix: str = "") -> list[Param]:
-    """One transformer layer's parameters on a TP/EP rank, in the order megatron's local spec registers them."""
+def layer_params(model: ModelConfig, tp: int, ep: int, prefix: str = "", etp: int | None = None) -> list[Param]:
+    """One transformer layer's parameters on a TP/EP rank, in the order megatron's local spec registers them
+    (`etp`: expert tensor parallelism, None: TP)."""
     h, n, g, d = model.hidden_size, model.num_attention_heads, model.num_query_groups, model.head_dim
     gate_entries = gate_parameters(model.gate, h, n, g, d)
     qkv_extra = sum(e.numel for e in gate_entries if e.in_linear_qkv)  # fused gate rows (sharded with q/k/v)
@@ -86,8 +89,8 @@ def layer_params(model: ModelConfig, tp: int, ep: int, prefix: str = "") -> list
         expert = ep > 1  # megatron marks expert weights allreduce=False (their own buffer) only under EP
         for i in range(model.num_experts // ep):
             base = f"{prefix}mlp.experts.local_experts.{i}."
-            out.append(Param(base + "linear_fc1.weight", 2 * f * h // tp, expert=expert))
-            out.append(Param(base + "linear_fc2.weight", h * f // tp, expert=expert))
+            out.append(Param(base + "linear_fc1.weight", 2 * f * h // (etp or tp), expert=expert))
+            out.append(Param(base + "linear_fc2.weight", h * f // (etp or tp), expert=expert))
     else:
         f = model.effective_ffn_hidden_size
         out.append(Param(prefix + "mlp.linear_fc1.weight", 2 * f * h // tp))
@@ -102,7 +105,10 @@ def chunk_params(model: ModelConfig, shape: RankShape, pp_rank: int, chunk: int)
     first = pp_rank == 0 and chunk == 0
     last = pp_rank == shape.pp - 1 and chunk == shape.chunks - 1
     h, vocab = model.hidden_size, model.vocab_size // shape.tp
-    layers = model.num_layers // (shape.pp * shape.chunks)
+    if shape.stage_layers is not None:  # the uneven split (megagate.distributed.layout.stage_layers)
+        layers = shape.stage_layers[pp_rank][chunk]
+    else:
+        layers = model.num_layers // (shape.pp * shape.chunks)
     out: list[Param] = []
     if first:
         # tied embeddings across stages: megatron marks the first stage's copy too (a bucket of its own)
@@ -110,7 +116,7 @@ def chunk_params(model: ModelConfig, shape: RankShape, pp_rank: int, chunk: int)
             Param("embedding.word_embeddings.weight", vocab * h, shared_embedding=model.tie_embeddings and not last)
         )
     for i in range(layers):
-        out += layer_params(model, shape.tp, shape.ep, prefix=f"decoder.layers.{i}.")
+        out += layer_params(model, shape.tp, shape.ep, prefix=f"decoder.layers.{i}.", etp=shape.etp)
     if last:
         out.append(Param("decoder.final_layernorm.weight", h))
         if not model.tie_embeddings:

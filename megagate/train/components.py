@@ -72,9 +72,7 @@ def ddp_config(setup: RunSetup) -> DistributedDataParallelConfig:  # noqa: F821
         fp8_param_gather=cfg.train.precision == "fp8" and cfg.train.fp8_param_gather,
         check_for_nan_in_grad=False,  # the spike monitor sees non-finite gradients and decides what to do
         use_megatron_fsdp=perf.use_megatron_fsdp,
-        data_parallel_sharding_strategy=cfg.perf.data_parallel_sharding_strategy
-        if perf.use_megatron_fsdp
-        else "no_shard",
+        data_parallel_sharding_strategy=cfg.perf.data_parallel_sharding_strategy,  # read by Megatron-FSDP only
     )
 
 
@@ -120,6 +118,8 @@ def optimizer_config(setup: RunSetup) -> OptimizerConfig:  # noqa: F821
     offload: dict[str, Any] = {}  # megatron's defaults (no offload, fraction 0) unless perf.optimizer_cpu_offload
     if perf.optimizer_cpu_offload:
         offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=setup.cfg.perf.optimizer_offload_fraction)
+    if t.precision == "fp8":
+        offload["fp8_recipe"] = t.fp8_recipe  # the precision-aware optimizer's FP8 path reads it
     choice: dict[str, Any] = {"optimizer": "adam"}
     if t.optimizer == "muon":
         from megagate.train.muon import muon_config_kwargs
