@@ -131,6 +131,8 @@ def _check_recipe(cfg: TrainConfig, r: ResolvedPerf, te_needed: str) -> None:
             raise ConfigError(f"{key} with pipeline_model_parallel_size > 1 needs virtual_pipeline_model_parallel_size")
     if p.delay_wgrad_compute and not p.overlap_moe_expert_parallel_comm:
         raise ConfigError("perf.delay_wgrad_compute=true needs perf.overlap_moe_expert_parallel_comm=true")
+    if p.delay_wgrad_compute and not r.backend_te:  # TE's linears split the weight gradient off (wgrad hooks)
+        raise ConfigError(f"perf.delay_wgrad_compute=true {te_needed}")
     if m.is_moe and r.moe_token_dispatcher_type == "flex" and p.moe_flex_dispatcher_backend == "hybridep":
         if r.machine.deep_ep is False:
             raise ConfigError(

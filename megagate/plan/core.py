@@ -11,7 +11,7 @@ from megagate.model.counts import flops_per_token
 from megagate.plan import memory as mem
 from megagate.plan.devices import GB, GpuSpec, gpu_spec
 from megagate.plan.gpu_defaults import gpu_profile
-from megagate.plan.params import RankShape, rank_buffers
+from megagate.plan.params import RankShape, layer_params, rank_buffers
 from megagate.plan.profile import DeviceProfile, Link
 from megagate.plan.time import StepTime, step_time
 from megagate.plan.work import Workload
@@ -215,7 +215,10 @@ def plan(
     layout = setup.layout
     k = kernels or kernels_for(setup.backend, setup.core_attention, cpu=cpu)
     local_loss = layout.tp == 1 and not setup.perf.cross_entropy_loss_fusion  # model.loss: torch's cross-entropy
-    roles = _roles(cfg, layout, k, margin_gb, fragmentation, local_loss, setup.perf.overlap_moe_expert_parallel_comm)
+    fsdp = cfg.perf.data_parallel_sharding_strategy if setup.perf.use_megatron_fsdp else None
+    roles = _roles(
+        cfg, layout, k, margin_gb, fragmentation, local_loss, setup.perf.overlap_moe_expert_parallel_comm, fsdp
+    )
     w = workload(setup, profile, gpus_per_node, routing_imbalance)
     st = step_time(w, profile, ranks_per_node=min(gpus_per_node, world_size))
     assumptions = [
@@ -243,6 +246,7 @@ def _roles(
     fragmentation: float,
     local_loss: bool,
     ep_overlap: bool = False,
+    fsdp: str | None = None,
 ) -> list[Role]:
     """Every pipeline stage's memory by item (exact buffers, the activation inventory, the margin)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
@@ -253,7 +257,13 @@ def _roles(
     param_bytes = 4 if t.precision == "fp32" else 2
     opt_bytes = 8 if t.precision == "fp32" else 12  # Adam m, v (+ fp32 main params under bf16/fp8)
     act = mem.ActivationShape(
-        t.seq_length // layout.cp, t.micro_batch_size, layout.tp, p.sequence_parallel, param_bytes
+        t.seq_length // layout.cp,
+        t.micro_batch_size,
+        layout.tp,
+        p.sequence_parallel,
+        param_bytes,
+        expert_tp=None if layout.etp == layout.tp else layout.etp,
+        linear_bytes=1 if t.precision == "fp8" else None,  # TE's FP8 linears keep their inputs quantised
     )
     full_layer = mem.layer_bytes(m, act, k, recompute=None)
     kept_layer = mem.layer_bytes(
@@ -277,6 +287,11 @@ def _roles(
         dist = t.use_distributed_optimizer
         weights = sum((b.numel if dist else b.numel_unpadded) * (4 if b.fp32 else param_bytes) for b in bufs)
         grads = sum((b.numel if dist else b.numel_unpadded) * 4 for b in bufs)
+        if fsdp in ("optim_grads", "optim_grads_params"):  # Megatron-FSDP shards the gradients over DP too
+            grads = sum(b.max_owned() * 4 for b in bufs)
+        if fsdp == "optim_grads_params":  # ... and the weights, two layers' worth gathered at a time (prefetch)
+            unit = sum(q.numel for q in layer_params(m, layout.tp, layout.ep, etp=layout.etp)) * param_bytes
+            weights = sum(b.max_owned() * (4 if b.fp32 else param_bytes) for b in bufs) + 2 * unit
         optim = sum((b.max_owned() if dist else b.numel_unpadded) * (8 if b.fp32 else opt_bytes) for b in bufs)
         flights = mem.in_flight(layout.pp, r, layout.vpp, layout.num_microbatches, ep_overlap)
         items = {

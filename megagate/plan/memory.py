@@ -57,6 +57,9 @@ class ActivationShape:
     sequence_parallel: bool = False
     act_bytes: int = 2
     expert_tp: int | None = None  # expert tensor parallelism (None: TP, as megagate builds it)
+    # bytes of a linear layer's saved input: 1 under FP8 (TE keeps the quantised copy for the weight gradient),
+    # None: act_bytes
+    linear_bytes: int | None = None
 
 
 def _norm(tokens: int, width: int, a: int, k: Kernels) -> int:
@@ -67,6 +70,7 @@ def _norm(tokens: int, width: int, a: int, k: Kernels) -> int:
 def layer_items(model: ModelConfig, shape: ActivationShape, k: Kernels, recompute: str | None = None) -> dict:
     """Bytes autograd keeps for one transformer layer and one micro-batch, by item (no recomputation inside)."""
     s, b, t, a = shape.seq, shape.micro_batch, shape.tp, shape.act_bytes
+    la = a if shape.linear_bytes is None else shape.linear_bytes  # a linear layer's saved input (FP8: 1 byte)
     h, d = model.hidden_size, model.head_dim
     # groups fewer than TP: each rank holds one whole group (megatron gathers its projection)
     n, g = model.num_attention_heads // t, max(1, model.num_query_groups // t)
@@ -74,7 +78,7 @@ def layer_items(model: ModelConfig, shape: ActivationShape, k: Kernels, recomput
     tok = tok_full // t if shape.sequence_parallel else tok_full  # tokens in the sequence domain
     x_q, x_kv = tok_full * n * d, tok_full * g * d  # elements of q (or the context) and of k (or v)
     items: dict[str, int] = {}
-    items["input norm + linear_qkv input"] = _norm(tok, h, a, k) + a * tok * h
+    items["input norm + linear_qkv input"] = _norm(tok, h, a, k) + la * tok * h
     if model.qk_layernorm:
         items["q/k norms"] = _norm(tok_full * n, d, a, k) + _norm(tok_full * g, d, a, k)
     items["rotary cos/sin"] = 4 * a * s * d
@@ -105,21 +109,22 @@ def layer_items(model: ModelConfig, shape: ActivationShape, k: Kernels, recomput
         context = 0  # linear_proj keeps flash attention's own output (which, under selective, flash does not keep)
     if gate.sdpa_norm == "rmsnorm":
         items["sdpa norm"] = _norm(tok_full * n, d, a, k)
-    items["linear_proj input"] = context
+    items["linear_proj input"] = context if la == a else context // a * la
     if gate.sandwich_norm:
         items["sandwich norms"] = 2 * _norm(tok, h, a, k)
-    items["pre-MLP norm + MLP input"] = _norm(tok, h, a, k) + a * tok * h
+    items["pre-MLP norm + MLP input"] = _norm(tok, h, a, k) + la * tok * h
     if model.is_moe:
         etp = shape.expert_tp or t
         e, topk, f = model.num_experts, model.moe_router_topk, model.moe_ffn_hidden_size // etp
         # tokens an EP rank computes, with balanced routing (EP-independent): its expert-TP group's share
         routed = tok_full * topk if shape.expert_tp is None else tok * etp * topk
         items["router + dispatcher"] = tok * (a * e + 4 * e + 20 * topk + a) + 8 * tok * topk + (1 + a) * e * tok
-        per_token = (3 if k.fused_swiglu else 6) * a * f + a  # fc1 out, SwiGLU (+ probs), fc2 input, probs
-        items["experts (permuted tokens + FFN)"] = a * routed * h + routed * per_token
+        # fc1 out, SwiGLU (+ probs), fc2 input (la), probs
+        per_token = ((2 if k.fused_swiglu else 5) * a + la) * f + a
+        items["experts (permuted tokens + FFN)"] = la * routed * h + routed * per_token
     else:
         f = model.effective_ffn_hidden_size // t
-        items["MLP (fc1 out, SwiGLU, fc2 input)"] = (3 if k.fused_swiglu else 5) * a * tok_full * f
+        items["MLP (fc1 out, SwiGLU, fc2 input)"] = ((2 if k.fused_swiglu else 4) * a + la) * tok_full * f
     return items
 
 
