@@ -319,15 +319,18 @@ def _roles(
 
 
 def with_overrides(cfg: TrainConfig, **parallel_and_train: object) -> TrainConfig:
-    """A copy of cfg with some parallel/train/model fields replaced (for the layout search)."""
+    """A copy of cfg with some parallel/train/perf/model fields replaced (for the layout search)."""
     par = {f.name for f in dataclasses.fields(cfg.parallel)}
     tr = {f.name for f in dataclasses.fields(cfg.train)}
+    pf = {f.name for f in dataclasses.fields(cfg.perf)} - {"recompute_modules"}
     p_up = {k: v for k, v in parallel_and_train.items() if k in par}
     t_up = {k: v for k, v in parallel_and_train.items() if k in tr}
-    m_up = {k: v for k, v in parallel_and_train.items() if k not in par and k not in tr}
+    f_up = {k: v for k, v in parallel_and_train.items() if k in pf}
+    m_up = {k: v for k, v in parallel_and_train.items() if k not in par and k not in tr and k not in pf}
     return dataclasses.replace(
         cfg,
         parallel=dataclasses.replace(cfg.parallel, **p_up),
         train=dataclasses.replace(cfg.train, **t_up),
         model=dataclasses.replace(cfg.model, **m_up),
+        perf=dataclasses.replace(cfg.perf, **f_up),
     )

@@ -59,6 +59,24 @@ def _pipeline_splits(num_layers: int, pp: int) -> list[tuple[int | None, bool]]:
     return out
 
 
+def _variants(cfg: TrainConfig, ep: int, gpus_per_node: int) -> list[tuple[dict, str]]:
+    """The context-parallel sizes and dispatchers to try beside the layout: CP 2 and 4 for sequences of 16k and more
+    (TE's attention; the layout rules refuse what does not divide), DeepEP's flex dispatcher beside alltoall when the
+    EP group leaves the NVLink domain (the config's own dispatcher otherwise)."""
+    cps = [1] + ([2, 4] if cfg.train.seq_length >= 16384 and cfg.train.backend != "local" else [])
+    dispatchers = [None]
+    if cfg.model.is_moe and ep > gpus_per_node and cfg.perf.moe_token_dispatcher_type in ("auto", "alltoall"):
+        dispatchers.append("flex")
+    out = []
+    for cp in cps:
+        for dispatcher in dispatchers:
+            extra: dict = {"context_parallel_size": cp}
+            if dispatcher:
+                extra["moe_token_dispatcher_type"] = dispatcher
+            out.append((extra, (f" CP{cp}" if cp > 1 else "") + (f" {dispatcher}" if dispatcher else "")))
+    return out
+
+
 def search(
     cfg: TrainConfig,
     world_size: int,
@@ -82,7 +100,9 @@ def search(
             for vpp, split in _pipeline_splits(m.num_layers, pp):
                 for ep in _divisors(m.num_experts, world_size) if m.is_moe else [1]:
                     for mbs in (1, 2, 4):
-                        for rc in RECOMPUTE:
+                        for rc, (extra, suffix) in (
+                            (r, v) for r in RECOMPUTE for v in _variants(cfg, ep, gpus_per_node)
+                        ):
                             try:
                                 c = with_overrides(
                                     cfg,
@@ -98,6 +118,7 @@ def search(
                                     account_for_embedding_in_pipeline_split=split,
                                     account_for_loss_in_pipeline_split=split,
                                     **rc,
+                                    **extra,
                                 )
                                 p = plan(c, world_size, profile, gpus_per_node=gpus_per_node, **plan_kwargs)
                             except ConfigError:
@@ -108,6 +129,7 @@ def search(
                                     + (f" VPP{vpp}" if vpp else "")
                                     + (" E+L split" if split else "")
                                     + (f" EP{ep}" if m.is_moe else "")
+                                    + suffix
                                     + f" mbs{mbs} recompute={rc['recompute_granularity'] or 'none'}"
                                 )
                                 out.append(Candidate(p, label))

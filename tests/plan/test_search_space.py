@@ -36,3 +36,20 @@ def test_fewer_kv_groups_than_tp_hold_one_whole_group_per_rank():
     # TP 4 over 2 groups: each rank keeps 2 query heads and one whole KV group (not 2 // 4 = 0) after RoPE
     rotated = mem.selective_kept(model, shape) - mem.qkv_output_bytes(model, shape) - 4
     assert rotated == 2 * 64 * (2 + 1) * 16
+
+
+def test_context_parallel_and_dispatchers_are_searched_where_they_apply():
+    import copy
+
+    from megagate import config_reader as C
+    from megagate.plan.core import with_overrides
+    from megagate.plan.search import _variants
+
+    moe = {"preset": "tiny", "num_experts": 32, "moe_router_topk": 2, "moe_ffn_hidden_size": 64}
+    short = C.from_dict({"model": copy.deepcopy(moe), "data": {"mock": True}}, environment=False)
+    assert _variants(short, 8, 8) == [({"context_parallel_size": 1}, "")]  # EP inside the node, 128 tokens
+    assert [s for _, s in _variants(short, 16, 8)] == ["", " flex"]  # EP leaves the node: DeepEP too
+    long = with_overrides(short, seq_length=32768, max_sequence_length=32768, backend="te")
+    assert [s for _, s in _variants(long, 1, 8)] == ["", " CP2", " CP4"]
+    flex = with_overrides(short, moe_token_dispatcher_type="flex", context_parallel_size=2)
+    assert flex.perf.moe_token_dispatcher_type == "flex" and flex.parallel.context_parallel_size == 2
