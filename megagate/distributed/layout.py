@@ -289,3 +289,15 @@ def _layout_split(text: str, pp: int, vpp: int | None, num_layers: int) -> tuple
     if flat.count("t") != num_layers:
         raise ConfigError(f"{key} places {flat.count('t')} decoder layers (t); model.num_layers is {num_layers}")
     return tuple(tuple(stages[v * pp + r].count("t") for v in range(detected)) for r in range(pp))
+
+
+def placement_key(parallel: ParallelConfig, num_layers: int) -> dict:
+    """What places parameters on ranks beyond the sizes, for a checkpoint's layout record, only where it is not the
+    default (older checkpoints stay comparable): expert TP, and every stage's layer counts under an uneven split."""
+    out: dict = {}
+    if parallel.expert_tensor_parallel_size is not None:
+        out["etp"] = parallel.expert_tensor_parallel_size
+    grid = stage_layers(parallel, num_layers)
+    if len({n for row in grid for n in row}) > 1:
+        out["stages"] = [list(row) for row in grid]
+    return out

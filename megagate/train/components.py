@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from megagate.console import log
-from megagate.distributed.layout import Layout
+from megagate.distributed.layout import Layout, placement_key
 from megagate.distributed.utils import rank0_first
 from megagate.errors import ConfigError, MegagateError
 from megagate.model_factory import build_model
@@ -286,6 +286,7 @@ def layout_key(cfg: TrainConfig, layout: Layout) -> dict:
         "dp": layout.dp,
         "cp": layout.cp,
         "vpp": cfg.parallel.virtual_pipeline_model_parallel_size,
+        **placement_key(cfg.parallel, cfg.model.num_layers),
     }
 
 

@@ -241,3 +241,30 @@ def test_an_uneven_split_dry_runs(capsys, tmp_path, monkeypatch):
     ]
     assert main(["train", "--config", str(BASE), "--dry-run", "--world-size", "2", *overrides]) == 0
     assert "PP 2" in capsys.readouterr().out
+
+
+def test_placement_key_records_only_what_is_not_the_default():
+    from megagate.distributed.layout import placement_key
+
+    assert placement_key(ParallelConfig(pipeline_model_parallel_size=2), 4) == {}  # old checkpoints compare equal
+    uneven = ParallelConfig(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1)
+    assert placement_key(uneven, 4) == {"stages": [[1], [3]]}
+    assert placement_key(ParallelConfig(expert_tensor_parallel_size=1), 4) == {"etp": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_dp_reshardable_resume_refuses_another_split(tmp_path, session_demo_dir):
+    """The distributed optimizer's dp_reshardable shards follow the stages' layers: a resume under another uneven
+    split is refused in one line naming the stages (a real PP 2 run, 1 + 2 layers, then 2 + 1)."""
+    from tests.helpers import tiny_runs as T
+
+    run = tmp_path / "run"
+    split = ["model.num_layers=3", "parallel.pipeline_model_parallel_size=2"]
+    T.run_train(run, session_demo_dir, *split, "parallel.num_layers_in_first_pipeline_stage=1",
+                "train.exit_after_steps=2", nproc=2)  # fmt: skip
+    refused = T.run_train(run, session_demo_dir, *split, "parallel.num_layers_in_first_pipeline_stage=2", nproc=2,
+                          check=False)  # fmt: skip
+    errors = [line for line in refused.stderr.splitlines() if "megagate train: error:" in line]
+    assert refused.returncode != 0 and errors, refused.stderr[-3000:]
+    assert "stages [[1], [2]] -> [[2], [1]]" in errors[0], errors
