@@ -216,8 +216,9 @@ def plan(
     k = kernels or kernels_for(setup.backend, setup.core_attention, cpu=cpu)
     local_loss = layout.tp == 1 and not setup.perf.cross_entropy_loss_fusion  # model.loss: torch's cross-entropy
     fsdp = cfg.perf.data_parallel_sharding_strategy if setup.perf.use_megatron_fsdp else None
+    modules = tuple(setup.perf.recompute_modules or ("core_attn",))  # selective recompute's modules, resolved
     roles = _roles(
-        cfg, layout, k, margin_gb, fragmentation, local_loss, setup.perf.overlap_moe_expert_parallel_comm, fsdp
+        cfg, layout, k, margin_gb, fragmentation, local_loss, setup.perf.overlap_moe_expert_parallel_comm, fsdp, modules
     )
     w = workload(setup, profile, gpus_per_node, routing_imbalance)
     st = step_time(w, profile, ranks_per_node=min(gpus_per_node, world_size))
@@ -247,6 +248,7 @@ def _roles(
     local_loss: bool,
     ep_overlap: bool = False,
     fsdp: str | None = None,
+    modules: tuple[str, ...] = ("core_attn",),
 ) -> list[Role]:
     """Every pipeline stage's memory by item (exact buffers, the activation inventory, the margin)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
@@ -267,7 +269,7 @@ def _roles(
     )
     full_layer = mem.layer_bytes(m, act, k, recompute=None)
     kept_layer = mem.layer_bytes(
-        m, act, k, recompute=m.recompute_granularity if m.recompute_granularity == "selective" else None
+        m, act, k, m.recompute_granularity if m.recompute_granularity == "selective" else None, modules
     )
 
     def chunk_bytes(layers: int) -> tuple[int, int]:

@@ -55,3 +55,20 @@ def test_uneven_split_stages_hold_their_own_layers():
     # stage 1 holds 4 layers more (and the output layer); stage 0 the embedding
     h, v = p.cfg.model.hidden_size, p.cfg.model.vocab_size
     assert last.params - first.params == 4 * per_layer + h + v * h - v * h
+
+
+def test_recompute_modules_drop_what_they_recompute():
+    """The ModelZoo's Qwen3-235B rows recompute [layernorm, moe_act] (not core_attn): the norms' outputs (the next
+    linears' saved inputs) and the experts' activation output go; core attention keeps what flash keeps."""
+    model = model_preset("tiny", gate.preset("baseline"), num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64)
+    shape = mem.ActivationShape(128, 2, 1, False, 2)
+    none = mem.layer_items(model, shape, mem.GPU_TE)
+    some = mem.layer_items(model, shape, mem.GPU_TE, "selective", ("layernorm", "moe_act"))
+    tok, h, routed, f = 256, model.hidden_size, 256 * 2, 64
+    assert none["input norm + linear_qkv input"] - some["input norm + linear_qkv input"] == 2 * tok * h
+    assert none["pre-MLP norm + MLP input"] - some["pre-MLP norm + MLP input"] == 2 * tok * h
+    assert none["experts (permuted tokens + FFN)"] - some["experts (permuted tokens + FFN)"] == 2 * routed * f
+    assert sum(none.values()) - sum(some.values()) == 4 * tok * h + 2 * routed * f  # attention untouched
+    assert mem.layer_items(model, shape, mem.GPU_TE, "selective") == mem.layer_items(
+        model, shape, mem.GPU_TE, "selective", ("core_attn",)
+    )  # megatron's default modules: as before
