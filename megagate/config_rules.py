@@ -65,12 +65,7 @@ def check_rules(cfg: TrainConfig) -> None:
         m.gate, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim, p.tensor_model_parallel_size
     )
     check_gdn_parallel(m, p.tensor_model_parallel_size, p.context_parallel_size)
-    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
-    chunks = pp * (vpp or 1)
-    if m.num_layers % chunks:
-        raise ConfigError(
-            f"model.num_layers ({m.num_layers}) must be divisible by pipeline stages x virtual stages ({chunks})"
-        )
+    layout_rules.stage_layers(p, m.num_layers)  # even, uneven first/last, embedding/loss split or layout string
     if p.context_parallel_size > 1 and t.backend != "te":
         raise ConfigError(
             f"parallel.context_parallel_size={p.context_parallel_size} needs Transformer Engine's attention: "

@@ -65,6 +65,13 @@ class ResolvedPerf:
     profile_nvtx: bool
     fp8_format: str | None  # None: no FP8
     moe_router_padding_for_fp8: bool
+    tp_comm_overlap: bool = False
+    overlap_moe_expert_parallel_comm: bool = False
+    delay_wgrad_compute: bool = False
+    moe_flex_dispatcher_backend: str = "deepep"
+    use_megatron_fsdp: bool = False
+    offload_modules: tuple[str, ...] = ()  # fine-grained activation offloading (empty: none)
+    optimizer_cpu_offload: bool = False
     cpu_off: tuple[str, ...] = ()  # the GPU settings the CPU switched off
     gpu_off: tuple[str, ...] = ()  # GPU defaults off on this GPU because their kernels are missing: one reason each
 
@@ -119,6 +126,22 @@ class ResolvedPerf:
         ]
         if self.fp8_format:
             lines.append(f"perf fp8: format {self.fp8_format}")
+        recipe = [
+            name
+            for name, on_ in (
+                ("TP comm overlap (userbuffers)", self.tp_comm_overlap),
+                ("EP all-to-all overlap", self.overlap_moe_expert_parallel_comm),
+                ("delayed expert wgrad", self.delay_wgrad_compute),
+                ("Megatron-FSDP", self.use_megatron_fsdp),
+                (f"activation offloading ({', '.join(self.offload_modules)})", bool(self.offload_modules)),
+                ("optimizer CPU offload", self.optimizer_cpu_offload),
+            )
+            if on_
+        ]
+        if self.moe and self.moe_token_dispatcher_type == "flex":
+            recipe.append(f"flex dispatcher backend {self.moe_flex_dispatcher_backend}")
+        if recipe:
+            lines.append(f"perf recipe: {'; '.join(recipe)}")
         if self.cpu_off:
             lines.append(self.cpu_line() or "")
         if self.gpu_off:
@@ -165,6 +188,7 @@ def resolve_perf(cfg: TrainConfig, machine: Machine) -> ResolvedPerf:
         use_precision_aware_optimizer=p.use_precision_aware_optimizer,
         manual_gc_interval=GPU_MANUAL_GC_INTERVAL if p.manual_gc_interval is None else p.manual_gc_interval,
         profile_nvtx=p.profile.nvtx is True or p.profile.nvtx == "auto",
+        **_recipe_values(p),
     )
     modules = None if p.recompute_modules is None else tuple(p.recompute_modules)
     dtypes = {name: getattr(p, name) for name in OPTIMIZER_DTYPES}
@@ -189,6 +213,13 @@ def resolve_perf(cfg: TrainConfig, machine: Machine) -> ResolvedPerf:
             use_precision_aware_optimizer=False,
             manual_gc_interval=0 if p.manual_gc_interval is None else p.manual_gc_interval,
             profile_nvtx=False,
+            # CUDA streams, TE's userbuffers, pinned host memory: nothing of them on a CPU
+            tp_comm_overlap=False,
+            overlap_moe_expert_parallel_comm=False,
+            delay_wgrad_compute=False,
+            use_megatron_fsdp=False,
+            offload_modules=(),
+            optimizer_cpu_offload=False,
         )
         moe_only = {"moe_grouped_gemm", "moe_token_dispatcher_type", "moe_permute_fusion", "moe_router_fusion"}
         for key, value in cpu.items():
@@ -206,6 +237,7 @@ def resolve_perf(cfg: TrainConfig, machine: Machine) -> ResolvedPerf:
         backend_te=backend_te,
         moe=m.is_moe,
         moe_router_dtype=p.moe_router_dtype,
+        moe_flex_dispatcher_backend=p.moe_flex_dispatcher_backend,
         bucket_size=p.bucket_size,
         recompute_modules=modules,
         cross_entropy_fusion_impl=p.cross_entropy_fusion_impl,
@@ -217,6 +249,18 @@ def resolve_perf(cfg: TrainConfig, machine: Machine) -> ResolvedPerf:
         gpu_off=gpu_off,
         **dtypes,
         **values,
+    )
+
+
+def _recipe_values(p: Any) -> dict[str, Any]:
+    """The recipe knobs as the config sets them (no auto: each is off unless asked for)."""
+    return dict(
+        tp_comm_overlap=p.tp_comm_overlap,
+        overlap_moe_expert_parallel_comm=p.overlap_moe_expert_parallel_comm,
+        delay_wgrad_compute=p.delay_wgrad_compute,
+        use_megatron_fsdp=p.use_megatron_fsdp,
+        offload_modules=tuple(p.offload_modules or ()),
+        optimizer_cpu_offload=p.optimizer_cpu_offload,
     )
 
 

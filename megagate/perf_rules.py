@@ -23,6 +23,11 @@ CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")  # transformer_engine
 CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess")
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe", "shared_experts")
 ROUTER_DTYPES = ("fp32", "fp64")
+FLEX_BACKENDS = ("deepep", "hybridep")
+FSDP_SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+# megatron's fine-grained activation offloading modules (fused_group_mlp needs TE's op fuser, which megagate's
+# experts do not use)
+OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
 FP8_ALIGNMENT = 16  # TE's FP8 GEMMs need every dimension of a weight shard to be a multiple of 16
 
 
@@ -83,6 +88,7 @@ def check_perf(cfg: TrainConfig, r: ResolvedPerf) -> None:
         )
     _check_recompute_modules(cfg, r)
     _check_cuda_graphs(cfg, r)
+    _check_recipe(cfg, r, te_needed)
     if not p.use_precision_aware_optimizer:
         for name in OPTIMIZER_DTYPES:
             if getattr(p, name) != "fp32":
@@ -94,6 +100,72 @@ def check_perf(cfg: TrainConfig, r: ResolvedPerf) -> None:
             "perf.use_precision_aware_optimizer=true needs Transformer Engine's FusedAdam, which is not installed"
         )
     _check_fp8(cfg, machine)
+
+
+def _check_recipe(cfg: TrainConfig, r: ResolvedPerf, te_needed: str) -> None:
+    """NVIDIA's recipe knobs: megatron's own rules (TransformerConfig, Megatron-LM's argument checks) and the
+    kernels or libraries each needs, one line each."""
+    p, t, m, par = cfg.perf, cfg.train, cfg.model, cfg.parallel
+    _choice(p.moe_flex_dispatcher_backend, FLEX_BACKENDS, "perf.moe_flex_dispatcher_backend")
+    _choice(p.data_parallel_sharding_strategy, FSDP_SHARDING, "perf.data_parallel_sharding_strategy")
+    if p.tp_comm_overlap:
+        if not r.backend_te:
+            raise ConfigError(f"perf.tp_comm_overlap=true needs Transformer Engine's userbuffers: it {te_needed}")
+        if par.tensor_model_parallel_size < 2 or not par.sequence_parallel:
+            raise ConfigError(
+                "perf.tp_comm_overlap=true needs tensor_model_parallel_size > 1 and parallel.sequence_parallel=true "
+                f"(it overlaps SP's all-gather/reduce-scatter; TP is {par.tensor_model_parallel_size}, sequence_"
+                f"parallel {par.sequence_parallel})"
+            )
+    if p.overlap_moe_expert_parallel_comm:
+        key = "perf.overlap_moe_expert_parallel_comm=true"
+        if not m.is_moe or par.expert_model_parallel_size < 2:
+            raise ConfigError(f"{key} needs a MoE model with parallel.expert_model_parallel_size > 1")
+        if r.moe_token_dispatcher_type not in ("alltoall", "flex"):
+            raise ConfigError(f"{key} needs perf.moe_token_dispatcher_type alltoall or flex (megatron's rule)")
+        if m.recompute_granularity == "full" or "moe" in (r.recompute_modules or ()):
+            raise ConfigError(f"{key} cannot recompute whole layers or 'moe' (megatron's rule); use selective")
+        if t.precision == "fp32":
+            raise ConfigError(f"{key} needs train.precision bf16 or fp8 (megatron's rule)")
+        if par.pipeline_model_parallel_size > 1 and par.virtual_pipeline_model_parallel_size is None:
+            raise ConfigError(f"{key} with pipeline_model_parallel_size > 1 needs virtual_pipeline_model_parallel_size")
+    if p.delay_wgrad_compute and not p.overlap_moe_expert_parallel_comm:
+        raise ConfigError("perf.delay_wgrad_compute=true needs perf.overlap_moe_expert_parallel_comm=true")
+    if p.delay_wgrad_compute and not r.backend_te:  # TE's linears split the weight gradient off (wgrad hooks)
+        raise ConfigError(f"perf.delay_wgrad_compute=true {te_needed}")
+    if m.is_moe and r.moe_token_dispatcher_type == "flex" and p.moe_flex_dispatcher_backend == "hybridep":
+        if r.machine.deep_ep is False:
+            raise ConfigError(
+                "perf.moe_flex_dispatcher_backend='hybridep' needs DeepEP's HybridEP (deep_ep.HybridEPBuffer), "
+                "which is not installed; use deepep or perf.moe_token_dispatcher_type alltoall"
+            )
+    if p.use_megatron_fsdp:
+        if not t.use_distributed_optimizer:
+            raise ConfigError(
+                "perf.use_megatron_fsdp=true needs train.use_distributed_optimizer=true (Megatron-FSDP shards the "
+                "optimizer state itself: Megatron-LM's rule)"
+            )
+        if t.optimizer != "adamw":
+            raise ConfigError(f"perf.use_megatron_fsdp=true supports train.optimizer adamw, not {t.optimizer!r}")
+    modules = list(p.offload_modules or [])
+    for module in modules:
+        _choice(module, OFFLOAD_MODULES, "perf.offload_modules[]")
+    if "attn_proj" in modules and "core_attn" not in modules:
+        raise ConfigError("perf.offload_modules: 'attn_proj' needs 'core_attn' too (its input is core_attn's output)")
+    if {"expert_fc1", "moe_act"} & set(modules) and not m.is_moe:
+        raise ConfigError("perf.offload_modules: expert_fc1 and moe_act need a MoE model")
+    if {"expert_fc1", "moe_act"} & set(modules) and "moe" in (r.recompute_modules or ()):
+        raise ConfigError("perf.offload_modules: expert_fc1 / moe_act cannot be offloaded while 'moe' is recomputed")
+    if p.optimizer_cpu_offload:
+        if not p.use_precision_aware_optimizer:
+            raise ConfigError(
+                "perf.optimizer_cpu_offload=true needs perf.use_precision_aware_optimizer=true (Megatron-LM's rule: "
+                "the hybrid device optimizer reuses its code path)"
+            )
+        if t.fp8_param_gather and t.fp8_recipe != "delayed":
+            raise ConfigError("perf.optimizer_cpu_offload=true with train.fp8_param_gather needs fp8_recipe delayed")
+    if not 0 < p.optimizer_offload_fraction <= 1:
+        raise ConfigError(f"perf.optimizer_offload_fraction={p.optimizer_offload_fraction} must be in (0, 1]")
 
 
 def _check_profile(cfg: TrainConfig) -> None:
@@ -217,7 +289,9 @@ def _check_fp8(cfg: TrainConfig, machine: Machine) -> None:
                 "train.first_last_layers_bf16=true does not work with train.fp8_recipe=delayed "
                 "(megatron's rule); use tensorwise or blockwise"
             )
-        per_stage = m.num_layers // par.pipeline_model_parallel_size
+        from megagate.distributed.layout import stage_layers
+
+        per_stage = min(sum(chunks) for chunks in stage_layers(par, m.num_layers))
         for key in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
             value = getattr(t, key)
             if not 0 <= value <= per_stage:

@@ -193,6 +193,16 @@ class PerfSection:
     main_grads_dtype: str = "fp32"  # fp32 | bf16
     exp_avg_dtype: str = "fp32"  # fp32 | fp16 | bf16 | fp8
     exp_avg_sq_dtype: str = "fp32"  # fp32 | fp16 | bf16 | fp8
+    # NVIDIA's recipes (GPU only; off on CPU, listed): TP/EP communication overlap, Megatron-FSDP, offloading
+    tp_comm_overlap: bool = False  # TE userbuffers: TP all-gather/reduce-scatter under the GEMMs (needs SP)
+    overlap_moe_expert_parallel_comm: bool = False  # EP all-to-all under another micro-batch's compute
+    delay_wgrad_compute: bool = False  # expert weight gradients after the dispatch backward (with the EP overlap)
+    moe_flex_dispatcher_backend: str = "deepep"  # deepep | hybridep (moe_token_dispatcher_type flex)
+    use_megatron_fsdp: bool = False  # Megatron-FSDP in place of DDP + the distributed optimizer
+    data_parallel_sharding_strategy: str = "optim_grads_params"  # Megatron-FSDP: no_shard | optim | optim_grads | ..
+    offload_modules: list | None = None  # fine-grained activation offloading: the modules whose inputs go to host
+    optimizer_cpu_offload: bool = False  # the optimizer step on the host (HybridDeviceOptimizer)
+    optimizer_offload_fraction: float = 1.0  # share of the optimizer state on the host
     # Python's garbage collector: disabled, run every N steps on every rank at once (0: Python's own)
     manual_gc_interval: int | None = None  # None: 5 on GPU (NVIDIA's Qwen3-30B-A3B recipe), 0 on CPU
     profile: ProfileSection = field(default_factory=ProfileSection)

@@ -107,6 +107,13 @@ def resolve(
     if training:
         kwargs.update(fp8)
         kwargs.update(_perf_kwargs(cfg, perf))
+        # what Megatron-LM's argument parser sets beyond the dataclass defaults (docs/performance.md, the recipe
+        # comparison): context parallelism's ring exchange, and the pipeline's outputs freed once sent (GPU: with
+        # gloo's CPU sends megagate keeps them)
+        kwargs.update(cp_comm_type="p2p", deallocate_pipeline_outputs=machine.gpu)
+        if machine.gpu and cfg.parallel.virtual_pipeline_model_parallel_size:
+            # the interleaved schedule's sends overlapped with compute, one by one (--overlap-p2p-communication)
+            kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     else:
         kwargs.update(perform_initialization=False)
     return RunSetup(
@@ -180,5 +187,38 @@ def _perf_kwargs(cfg: TrainConfig, perf: ResolvedPerf) -> dict[str, Any]:
             moe_router_dtype=perf.moe_router_dtype,
         )
         if perf.moe_token_dispatcher_type == "flex":
-            kwargs["moe_flex_dispatcher_backend"] = "deepep"
+            kwargs["moe_flex_dispatcher_backend"] = perf.moe_flex_dispatcher_backend
+        if perf.overlap_moe_expert_parallel_comm:
+            kwargs.update(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=perf.delay_wgrad_compute)
+    if perf.tp_comm_overlap:
+        kwargs["tp_comm_overlap"] = True
+    if perf.offload_modules:
+        kwargs.update(fine_grained_activation_offloading=True, offload_modules=list(perf.offload_modules))
     return kwargs
+
+
+def initialize_tp_comm_overlap(setup: RunSetup) -> None:
+    """TE's userbuffers for `perf.tp_comm_overlap` (Megatron-LM's `_initialize_tp_communicators`, default buffer
+    settings, NCCL bootstrap): once per process, after the process groups and before the model is built."""
+    from transformer_engine.pytorch import module as te_module  # the rules refused the run without TE
+
+    cfg = setup.cfg
+    t, p = cfg.train, cfg.parallel
+    shape = [t.seq_length * t.micro_batch_size // p.context_parallel_size, cfg.model.hidden_size]
+    fp8 = t.precision == "fp8"
+    modes = getattr(te_module.base, "UserBufferQuantizationMode", None)
+    if modes is not None:  # TE >= 2.7
+        quant = [modes.FP8 if fp8 else modes.NONE]
+        if fp8 and t.first_last_layers_bf16 and (t.num_layers_at_start_in_bf16 or t.num_layers_at_end_in_bf16):
+            quant.append(modes.NONE)
+        te_module.base.initialize_ub(
+            shape=shape,
+            tp_size=p.tensor_model_parallel_size,
+            quantization_modes=quant,
+            ub_cfgs={},
+            bootstrap_backend="nccl",
+        )
+    else:
+        te_module.base.initialize_ub(
+            shape=shape, tp_size=p.tensor_model_parallel_size, use_fp8=fp8, ub_cfgs={}, bootstrap_backend="nccl"
+        )

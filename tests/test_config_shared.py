@@ -23,8 +23,11 @@ PARALLEL_ONLY = "model:\n  preset: tiny\nparallel:\n  tensor_model_parallel_size
 
 SECTIONS = "model, parallel, train, data, checkpoint, logging, output, monitor, perf, watchdog, straggler, seed"
 PARALLEL_KEYS = (
-    "context_parallel_size, expert_model_parallel_size, pipeline_model_parallel_size, sequence_parallel, "
-    "tensor_model_parallel_size, virtual_pipeline_model_parallel_size"
+    "account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split, context_parallel_size, "
+    "expert_model_parallel_size, expert_tensor_parallel_size, num_layers_in_first_pipeline_stage, "
+    "num_layers_in_last_pipeline_stage, "
+    "pipeline_model_parallel_layout, pipeline_model_parallel_size, sequence_parallel, tensor_model_parallel_size, "
+    "virtual_pipeline_model_parallel_size"
 )
 
 # (id, config file text or None for BASE, overrides, nodes, ranks per node, the message or, where it lists every

@@ -33,6 +33,17 @@ def test_pp2_schedule_equals_pp1(tmp_path):
         assert len(set(first["ref_losses"])) == 4  # four different micro-batches really went through
 
 
+def test_uneven_pp2_split_equals_pp1(tmp_path):
+    """megatron's uneven split (parallel.num_layers_in_first_pipeline_stage: 1 of 4 layers on stage 0, 3 on stage 1)
+    trains as the single-process model does: the stages hold those layers, the losses and gradients agree."""
+    split = {"num_layers_in_first_pipeline_stage": 1}
+    results = distributed.run(parallel_workers.pp_worker, 2, tmp_path, PP_EP_VARIANTS[:1], 4, split)
+    first, last = sorted((r[PP_EP_VARIANTS[0]] for r in results), key=lambda r: r["stage"])
+    assert (first["layers"], last["layers"]) == (1, 3)
+    assert last["num_losses"] == 4 and last["loss"] < 1e-5, last
+    assert first["grad"] < 1e-5 and last["grad"] < 1e-5, (first, last)
+
+
 def test_ep2_moe_equals_ep1(tmp_path):
     results = distributed.run(parallel_workers.ep_worker, 2, tmp_path, PP_EP_VARIANTS)
     for rank_result in results:

@@ -99,9 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("memory plan (megagate plan)")
     m.add_argument("--gpu", default="h100-sxm", help="the nodes' GPU, for the memory plan (see megagate plan --help)")
     m.add_argument(
+        "--force",
         "--ignore-memory-plan",
+        dest="ignore_memory_plan",
         action="store_true",
-        help="submit even if the plan predicts the job does not fit in GPU memory",
+        help="submit even if the plan predicts the job does not fit in GPU memory (its numbers are printed)",
     )
     parser.add_argument("--script-out", default=None, help="where to write the script (default under run dir)")
     parser.add_argument("--dry-run", action="store_true", help="print the script; do not submit")
@@ -178,7 +180,7 @@ def render_for_config(
         if memory_plan and not predicted.fits:
             raise ConfigError(
                 f"{predicted.refusal()}; see `megagate plan {config_path} --nodes {request.nodes} --gpus-per-node "
-                f"{request.gpus_per_node} --gpu {gpu} --search`, or pass --ignore-memory-plan"
+                f"{request.gpus_per_node} --gpu {gpu} --search`, or pass --force"
             )
     script = render_batch_script(
         request,
@@ -201,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
         memory_plan=not args.ignore_memory_plan,
     )
     print(script, end="")
+    if predicted is not None and not predicted.fits:  # --force: through, with the plan's numbers
+        print(f"warning: {predicted.refusal()}; submitting anyway (--force)", file=sys.stderr)
     if args.dry_run:
         if predicted is not None:  # the plan's table, on stderr: stdout stays the script
             print(f"memory plan:\n{predicted.table()}", file=sys.stderr)

@@ -29,6 +29,7 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> Non
             virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
             context_parallel_size=parallel.context_parallel_size,
             expert_model_parallel_size=parallel.expert_model_parallel_size,
+            expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
             # megatron's groups time out with the world group (launch.distributed_timeout_minutes: save-safe)
             distributed_timeout_minutes=launch.distributed_timeout_minutes(),
         )

@@ -39,7 +39,7 @@ def transformer_config(
             moe_ffn_hidden_size=model.moe_ffn_hidden_size,
             moe_router_load_balancing_type=model.moe_load_balancing,
             moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-            moe_z_loss_coeff=model.moe_z_loss_coeff,
+            moe_z_loss_coeff=model.moe_z_loss_coeff or None,  # 0: no z-loss, as Megatron-LM's unset flag
             moe_router_score_function="softmax",
             # softmax over all experts before top-k (no renormalisation) when the top-k probabilities are not
             # normalised; megatron's default softmax over the top-k logits otherwise
@@ -79,8 +79,14 @@ def transformer_config(
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
+        num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
+        account_for_embedding_in_pipeline_split=parallel.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=parallel.account_for_loss_in_pipeline_split,
+        pipeline_model_parallel_layout=parallel.pipeline_model_parallel_layout,
         use_cpu_initialization=cpu,
         perform_initialization=perform_initialization,
         **moe,

@@ -341,3 +341,10 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     context_parallel_size: int = 1
     sequence_parallel: bool = False
+    expert_tensor_parallel_size: int | None = None  # None: TP (megatron's default); NVIDIA's MoE recipes use 1
+    # uneven pipeline splits (megatron's TransformerConfig options; rules: megagate.distributed.layout.stage_layers)
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+    pipeline_model_parallel_layout: str | None = None  # e.g. "Et*3|(tt|)*29,m|L"; t a layer, E embedding, L loss

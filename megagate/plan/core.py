@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from megagate.distributed.layout import stage_layers
 from megagate.machine import Machine
 from megagate.model.counts import flops_per_token
 from megagate.plan import memory as mem
 from megagate.plan.devices import GB, GpuSpec, gpu_spec
 from megagate.plan.gpu_defaults import gpu_profile
-from megagate.plan.params import RankShape, rank_buffers
+from megagate.plan.params import RankShape, layer_params, rank_buffers
 from megagate.plan.profile import DeviceProfile, Link
 from megagate.plan.time import StepTime, step_time
 from megagate.plan.work import Workload
@@ -182,6 +183,11 @@ def workload(setup: RunSetup, profile: DeviceProfile, gpus_per_node: int, imbala
         overlap_grad_reduce=r.overlap_grad_reduce,
         overlap_param_gather=r.overlap_param_gather,
         bucket_size=r.bucket_size,
+        etp=layout.etp,
+        tp_overlap=r.tp_comm_overlap,
+        ep_overlap=r.overlap_moe_expert_parallel_comm,
+        fsdp=r.use_megatron_fsdp,
+        stage_layers=stage_layers(p, m.num_layers),
         routing_imbalance=imbalance,
         gpus_per_node=gpus_per_node,
     )
@@ -209,7 +215,11 @@ def plan(
     layout = setup.layout
     k = kernels or kernels_for(setup.backend, setup.core_attention, cpu=cpu)
     local_loss = layout.tp == 1 and not setup.perf.cross_entropy_loss_fusion  # model.loss: torch's cross-entropy
-    roles = _roles(cfg, layout, k, margin_gb, fragmentation, local_loss)
+    fsdp = cfg.perf.data_parallel_sharding_strategy if setup.perf.use_megatron_fsdp else None
+    modules = tuple(setup.perf.recompute_modules or ("core_attn",))  # selective recompute's modules, resolved
+    roles = _roles(
+        cfg, layout, k, margin_gb, fragmentation, local_loss, setup.perf.overlap_moe_expert_parallel_comm, fsdp, modules
+    )
     w = workload(setup, profile, gpus_per_node, routing_imbalance)
     st = step_time(w, profile, ranks_per_node=min(gpus_per_node, world_size))
     assumptions = [
@@ -230,25 +240,48 @@ def plan(
 
 
 def _roles(
-    cfg: TrainConfig, layout, k: mem.Kernels, margin_gb: float, fragmentation: float, local_loss: bool
+    cfg: TrainConfig,
+    layout,
+    k: mem.Kernels,
+    margin_gb: float,
+    fragmentation: float,
+    local_loss: bool,
+    ep_overlap: bool = False,
+    fsdp: str | None = None,
+    modules: tuple[str, ...] = ("core_attn",),
 ) -> list[Role]:
     """Every pipeline stage's memory by item (exact buffers, the activation inventory, the margin)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    shape = RankShape(layout.tp, layout.pp, layout.vpp, layout.ep, layout.cp, layout.dp, layout.expert_dp)
+    grid = stage_layers(p, m.num_layers)  # the trainer's split: every stage's real layer counts
+    shape = RankShape(
+        layout.tp, layout.pp, layout.vpp, layout.ep, layout.cp, layout.dp, layout.expert_dp, layout.etp, grid
+    )
     param_bytes = 4 if t.precision == "fp32" else 2
     opt_bytes = 8 if t.precision == "fp32" else 12  # Adam m, v (+ fp32 main params under bf16/fp8)
     act = mem.ActivationShape(
-        t.seq_length // layout.cp, t.micro_batch_size, layout.tp, p.sequence_parallel, param_bytes
+        t.seq_length // layout.cp,
+        t.micro_batch_size,
+        layout.tp,
+        p.sequence_parallel,
+        param_bytes,
+        expert_tp=None if layout.etp == layout.tp else layout.etp,
+        linear_bytes=1 if t.precision == "fp8" else None,  # TE's FP8 linears keep their inputs quantised
     )
-    per_chunk = m.num_layers // (layout.pp * (layout.vpp or 1))
-    checkpoints, stored, at_once = mem.recomputed_layers(m, per_chunk)
     full_layer = mem.layer_bytes(m, act, k, recompute=None)
     kept_layer = mem.layer_bytes(
-        m, act, k, recompute=m.recompute_granularity if m.recompute_granularity == "selective" else None
+        m, act, k, m.recompute_granularity if m.recompute_granularity == "selective" else None, modules
     )
-    chunk_act = checkpoints * mem.checkpoint_bytes(m, act) + stored * kept_layer
+
+    def chunk_bytes(layers: int) -> tuple[int, int]:
+        checkpoints, stored, at_once = mem.recomputed_layers(m, layers)
+        return checkpoints * mem.checkpoint_bytes(m, act) + stored * kept_layer, at_once
+
     roles = []
     for r in range(layout.pp):
+        # the stage's chunks in flight hold their own layer counts (uneven splits): their mean, rounded up
+        per_chunk = [chunk_bytes(n) for n in grid[r]]
+        chunk_act = -(-sum(c for c, _ in per_chunk) // len(per_chunk))
+        at_once = max(a for _, a in per_chunk)
         # megatron's local spec without apex builds torch norms with fp32 weights (their own buffer)
         bufs = rank_buffers(m, shape, r, t.use_distributed_optimizer, fp32_norms=t.backend == "local")
         n_params = sum(b.numel_unpadded for b in bufs)
@@ -256,8 +289,13 @@ def _roles(
         dist = t.use_distributed_optimizer
         weights = sum((b.numel if dist else b.numel_unpadded) * (4 if b.fp32 else param_bytes) for b in bufs)
         grads = sum((b.numel if dist else b.numel_unpadded) * 4 for b in bufs)
+        if fsdp in ("optim_grads", "optim_grads_params"):  # Megatron-FSDP shards the gradients over DP too
+            grads = sum(b.max_owned() * 4 for b in bufs)
+        if fsdp == "optim_grads_params":  # ... and the weights, two layers' worth gathered at a time (prefetch)
+            unit = sum(q.numel for q in layer_params(m, layout.tp, layout.ep, etp=layout.etp)) * param_bytes
+            weights = sum(b.max_owned() * (4 if b.fp32 else param_bytes) for b in bufs) + 2 * unit
         optim = sum((b.max_owned() if dist else b.numel_unpadded) * (8 if b.fp32 else opt_bytes) for b in bufs)
-        flights = mem.in_flight(layout.pp, r, layout.vpp, layout.num_microbatches)
+        flights = mem.in_flight(layout.pp, r, layout.vpp, layout.num_microbatches, ep_overlap)
         items = {
             f"weights ({'fp32' if param_bytes == 4 else 'bf16'})": weights,
             "gradient buffer (fp32)": grads,
@@ -283,15 +321,18 @@ def _roles(
 
 
 def with_overrides(cfg: TrainConfig, **parallel_and_train: object) -> TrainConfig:
-    """A copy of cfg with some parallel/train/model fields replaced (for the layout search)."""
+    """A copy of cfg with some parallel/train/perf/model fields replaced (for the layout search)."""
     par = {f.name for f in dataclasses.fields(cfg.parallel)}
     tr = {f.name for f in dataclasses.fields(cfg.train)}
+    pf = {f.name for f in dataclasses.fields(cfg.perf)} - {"recompute_modules"}
     p_up = {k: v for k, v in parallel_and_train.items() if k in par}
     t_up = {k: v for k, v in parallel_and_train.items() if k in tr}
-    m_up = {k: v for k, v in parallel_and_train.items() if k not in par and k not in tr}
+    f_up = {k: v for k, v in parallel_and_train.items() if k in pf}
+    m_up = {k: v for k, v in parallel_and_train.items() if k not in par and k not in tr and k not in pf}
     return dataclasses.replace(
         cfg,
         parallel=dataclasses.replace(cfg.parallel, **p_up),
         train=dataclasses.replace(cfg.train, **t_up),
         model=dataclasses.replace(cfg.model, **m_up),
+        perf=dataclasses.replace(cfg.perf, **f_up),
     )

@@ -57,6 +57,9 @@ class ActivationShape:
     sequence_parallel: bool = False
     act_bytes: int = 2
     expert_tp: int | None = None  # expert tensor parallelism (None: TP, as megagate builds it)
+    # bytes of a linear layer's saved input: 1 under FP8 (TE keeps the quantised copy for the weight gradient),
+    # None: act_bytes
+    linear_bytes: int | None = None
 
 
 def _norm(tokens: int, width: int, a: int, k: Kernels) -> int:
@@ -64,20 +67,33 @@ def _norm(tokens: int, width: int, a: int, k: Kernels) -> int:
     return tokens * width * (8 if k.composite_norm else a) + 4 * tokens
 
 
-def layer_items(model: ModelConfig, shape: ActivationShape, k: Kernels, recompute: str | None = None) -> dict:
-    """Bytes autograd keeps for one transformer layer and one micro-batch, by item (no recomputation inside)."""
+def layer_items(
+    model: ModelConfig,
+    shape: ActivationShape,
+    k: Kernels,
+    recompute: str | None = None,
+    modules: tuple[str, ...] = ("core_attn",),
+) -> dict:
+    """Bytes autograd keeps for one transformer layer and one micro-batch, by item. Under selective recompute
+    `modules` are megatron's recompute_modules: core_attn keeps only its inputs; layernorm drops the norms' outputs
+    (the linear layers' saved inputs, recomputed from the norm's input); moe_act drops the experts' activation output
+    (fc2's saved input)."""
     s, b, t, a = shape.seq, shape.micro_batch, shape.tp, shape.act_bytes
+    la = a if shape.linear_bytes is None else shape.linear_bytes  # a linear layer's saved input (FP8: 1 byte)
     h, d = model.hidden_size, model.head_dim
-    n, g = model.num_attention_heads // t, model.num_query_groups // t
+    # groups fewer than TP: each rank holds one whole group (megatron gathers its projection)
+    n, g = model.num_attention_heads // t, max(1, model.num_query_groups // t)
     tok_full = s * b  # tokens after the sequence-parallel all-gather (attention, MLP interior)
     tok = tok_full // t if shape.sequence_parallel else tok_full  # tokens in the sequence domain
     x_q, x_kv = tok_full * n * d, tok_full * g * d  # elements of q (or the context) and of k (or v)
     items: dict[str, int] = {}
-    items["input norm + linear_qkv input"] = _norm(tok, h, a, k) + a * tok * h
+    selective = set(modules) if recompute == "selective" else set()
+    norm_out = 0 if "layernorm" in selective else la  # a norm's output, the next linear's saved input
+    items["input norm + linear_qkv input"] = _norm(tok, h, a, k) + norm_out * tok * h
     if model.qk_layernorm:
         items["q/k norms"] = _norm(tok_full * n, d, a, k) + _norm(tok_full * g, d, a, k)
     items["rotary cos/sin"] = 4 * a * s * d
-    if recompute == "selective":
+    if "core_attn" in selective:
         items["core attention (selective: q, k + linear_qkv output kept)"] = selective_kept(model, shape)
     elif k.flash_attention:
         items["core attention (flash: q, k, v, lse)"] = a * (x_q + 2 * x_kv) + 4 * b * n * s
@@ -97,28 +113,29 @@ def layer_items(model: ModelConfig, shape: ActivationShape, k: Kernels, recomput
         # fp32 activation output + the gated tensor (a copy unless flash attention's kept output is reused); G2/G3
         # gate value/key, which are views of the fused linear_qkv output: the multiply keeps that whole output alive
         # (under selective recompute flash attention runs in no_grad and keeps nothing: the gate's copy counts)
-        reused = k.flash_attention and gate.position == "g1" and recompute != "selective"
+        reused = k.flash_attention and gate.position == "g1" and "core_attn" not in selective
         kept = qkv_output_bytes(model, shape) if gate.position in ("g2", "g3") else a * gated
         items["gate (fp32 scores + gated input)"] = 4 * scores + (0 if reused else kept)
-    elif k.flash_attention and recompute != "selective":
+    elif k.flash_attention and "core_attn" not in selective:
         context = 0  # linear_proj keeps flash attention's own output (which, under selective, flash does not keep)
     if gate.sdpa_norm == "rmsnorm":
         items["sdpa norm"] = _norm(tok_full * n, d, a, k)
-    items["linear_proj input"] = context
+    items["linear_proj input"] = context if la == a else context // a * la
     if gate.sandwich_norm:
         items["sandwich norms"] = 2 * _norm(tok, h, a, k)
-    items["pre-MLP norm + MLP input"] = _norm(tok, h, a, k) + a * tok * h
+    items["pre-MLP norm + MLP input"] = _norm(tok, h, a, k) + norm_out * tok * h
     if model.is_moe:
         etp = shape.expert_tp or t
         e, topk, f = model.num_experts, model.moe_router_topk, model.moe_ffn_hidden_size // etp
         # tokens an EP rank computes, with balanced routing (EP-independent): its expert-TP group's share
         routed = tok_full * topk if shape.expert_tp is None else tok * etp * topk
         items["router + dispatcher"] = tok * (a * e + 4 * e + 20 * topk + a) + 8 * tok * topk + (1 + a) * e * tok
-        per_token = (3 if k.fused_swiglu else 6) * a * f + a  # fc1 out, SwiGLU (+ probs), fc2 input, probs
-        items["experts (permuted tokens + FFN)"] = a * routed * h + routed * per_token
+        # fc1 out, SwiGLU (+ probs), fc2 input (la), probs
+        per_token = ((2 if k.fused_swiglu else 5) * a + (0 if "moe_act" in selective else la)) * f + a
+        items["experts (permuted tokens + FFN)"] = la * routed * h + routed * per_token
     else:
         f = model.effective_ffn_hidden_size // t
-        items["MLP (fc1 out, SwiGLU, fc2 input)"] = (3 if k.fused_swiglu else 5) * a * tok_full * f
+        items["MLP (fc1 out, SwiGLU, fc2 input)"] = ((2 if k.fused_swiglu else 4) * a + la) * tok_full * f
     return items
 
 
@@ -145,15 +162,21 @@ def selective_kept(model: ModelConfig, shape: ActivationShape) -> int:
     exactly on CPU against the storages a real forward saves (tests/plan/test_activations.py).
     """
     a, tokens = shape.act_bytes, shape.seq * shape.micro_batch
-    n, g, d = model.num_attention_heads // shape.tp, model.num_query_groups // shape.tp, model.head_dim
+    n, g, d = model.num_attention_heads // shape.tp, max(1, model.num_query_groups // shape.tp), model.head_dim
     rotated = a * tokens * (n + g) * d  # query and key after RoPE
     position = model.gate.position
     value = a * tokens * g * d if position == "g2" else 0 if position == "g3" else qkv_output_bytes(model, shape)
     return rotated + value + 4
 
 
-def layer_bytes(model: ModelConfig, shape: ActivationShape, k: Kernels, recompute: str | None = None) -> int:
-    return sum(layer_items(model, shape, k, recompute).values())
+def layer_bytes(
+    model: ModelConfig,
+    shape: ActivationShape,
+    k: Kernels,
+    recompute: str | None = None,
+    modules: tuple[str, ...] = ("core_attn",),
+) -> int:
+    return sum(layer_items(model, shape, k, recompute, modules).values())
 
 
 def checkpoint_bytes(model: ModelConfig, shape: ActivationShape) -> int:

@@ -55,6 +55,8 @@ class RankShape:
     cp: int = 1
     dp: int = 1  # dense data-parallel size (world / (TP x PP x CP))
     expert_dp: int = 1  # world / (ETP x EP x PP)
+    etp: int | None = None  # expert tensor parallelism (None: TP)
+    stage_layers: tuple[tuple[int, ...], ...] | None = None  # [PP][chunk] layers (None: the even split)
 
     @property
     def chunks(self) -> int:
@@ -78,15 +80,18 @@ def _gdn_params(model: ModelConfig, tp: int, prefix: str) -> list[Param]:
     ]
 
 
-def layer_params(model: ModelConfig, tp: int, ep: int, prefix: str = "", mixer: str = "*") -> list[Param]:
+def layer_params(
+    model: ModelConfig, tp: int, ep: int, prefix: str = "", mixer: str = "*", etp: int | None = None
+) -> list[Param]:
     """One transformer layer's parameters on a TP/EP rank, in the order megatron's local spec registers them;
-    `mixer` "G": a Gated DeltaNet layer of a hybrid (megagate.model.hybrid)."""
+    `mixer` "G": a Gated DeltaNet layer of a hybrid (megagate.model.hybrid); `etp`: expert tensor parallelism
+    (None: TP)."""
     out: list[Param] = [Param(prefix + "input_layernorm.weight", model.hidden_size)]
     if mixer == "G":
         out += _gdn_params(model, tp, prefix)
     else:
         out += _attention_params(model, tp, prefix)
-    return out + _mlp_params(model, tp, ep, prefix)
+    return out + _mlp_params(model, tp, ep, prefix, etp)
 
 
 def _attention_params(model: ModelConfig, tp: int, prefix: str) -> list[Param]:
@@ -108,7 +113,7 @@ def _attention_params(model: ModelConfig, tp: int, prefix: str) -> list[Param]:
     return out
 
 
-def _mlp_params(model: ModelConfig, tp: int, ep: int, prefix: str) -> list[Param]:
+def _mlp_params(model: ModelConfig, tp: int, ep: int, prefix: str, etp: int | None = None) -> list[Param]:
     h = model.hidden_size
     out: list[Param] = []
     if model.gate.sandwich_norm:
@@ -120,8 +125,8 @@ def _mlp_params(model: ModelConfig, tp: int, ep: int, prefix: str) -> list[Param
         expert = ep > 1  # megatron marks expert weights allreduce=False (their own buffer) only under EP
         for i in range(model.num_experts // ep):
             base = f"{prefix}mlp.experts.local_experts.{i}."
-            out.append(Param(base + "linear_fc1.weight", 2 * f * h // tp, expert=expert))
-            out.append(Param(base + "linear_fc2.weight", h * f // tp, expert=expert))
+            out.append(Param(base + "linear_fc1.weight", 2 * f * h // (etp or tp), expert=expert))
+            out.append(Param(base + "linear_fc2.weight", h * f // (etp or tp), expert=expert))
         shared = model.moe_shared_expert_intermediate_size
         if shared:  # SharedExpertMLP: its gate weight (replicated), then its SwiGLU (TP-sharded like a dense MLP)
             if model.moe_shared_expert_gate:
@@ -142,7 +147,10 @@ def chunk_params(model: ModelConfig, shape: RankShape, pp_rank: int, chunk: int)
     first = pp_rank == 0 and chunk == 0
     last = pp_rank == shape.pp - 1 and chunk == shape.chunks - 1
     h, vocab = model.hidden_size, model.vocab_size // shape.tp
-    layers = model.num_layers // (shape.pp * shape.chunks)
+    if shape.stage_layers is not None:  # the uneven split (megagate.distributed.layout.stage_layers)
+        layers = shape.stage_layers[pp_rank][chunk]
+    else:
+        layers = model.num_layers // (shape.pp * shape.chunks)
     out: list[Param] = []
     if first:
         # tied embeddings across stages: megatron marks the first stage's copy too (a bucket of its own)
@@ -152,7 +160,9 @@ def chunk_params(model: ModelConfig, shape: RankShape, pp_rank: int, chunk: int)
     pattern = hybrid.pattern(model)
     offset = (chunk * shape.pp + pp_rank) * layers  # megatron's layer offset of this virtual stage
     for i in range(layers):
-        out += layer_params(model, shape.tp, shape.ep, prefix=f"decoder.layers.{i}.", mixer=pattern[offset + i])
+        out += layer_params(
+            model, shape.tp, shape.ep, prefix=f"decoder.layers.{i}.", mixer=pattern[offset + i], etp=shape.etp
+        )
     if last:
         out.append(Param("decoder.final_layernorm.weight", h))
         if not model.tie_embeddings:

@@ -198,7 +198,12 @@ def candidate_layouts(run: Run) -> list[Workload]:
     w, m = run.workload, run.workload.model
     out = []
     for tp in (1, 2, 4, 8):
-        if tp > run.gpus_per_node or m.num_query_groups % tp:
+        # megatron's rule: whole heads per rank, KV groups a multiple or a divisor of TP (qkv_layout)
+        if (
+            tp > run.gpus_per_node
+            or m.num_attention_heads % tp
+            or (m.num_query_groups % tp and tp % m.num_query_groups)
+        ):
             continue
         for pp in (1, 2, 4, 8, 16, 32):
             model_parallel = tp * pp * w.cp
@@ -259,3 +264,43 @@ def layout_check_runs(runs: list[Run]) -> list[Run]:
         if r.moe and (r.config_key not in best or r.tokens_per_s_per_gpu > best[r.config_key].tokens_per_s_per_gpu):
             best[r.config_key] = r
     return list(best.values())
+
+
+def run_config(run: Run, fields: dict[str, Any]) -> dict[str, Any]:
+    """`run` as a megagate training config (a mapping for `config_reader.from_dict`; `fields`: its model's entry
+    under `models:`): what `megagate plan CONFIG` reads for it. tests/plan/test_published.py checks that the
+    planner's workload from this config is the run's own, field by field: one mapping, not two."""
+    w, e = run.workload, run.entry
+    account = e.get("split") == "embedding+loss"
+    modules = list(e.get("recompute_modules") or ())
+    model = {**fields, "gate": "baseline", "max_sequence_length": max(w.seq, 4096)}
+    if modules:
+        model["recompute_granularity"] = "selective"
+    parallel: dict[str, Any] = dict(
+        tensor_model_parallel_size=w.tp,
+        pipeline_model_parallel_size=w.pp,
+        virtual_pipeline_model_parallel_size=w.vpp,
+        context_parallel_size=w.cp,
+        expert_model_parallel_size=w.ep,
+        sequence_parallel=w.sequence_parallel,
+        account_for_embedding_in_pipeline_split=account,
+        account_for_loss_in_pipeline_split=account,
+    )
+    if w.model.is_moe:
+        parallel["expert_tensor_parallel_size"] = w.expert_tp
+    perf: dict[str, Any] = dict(
+        moe_token_dispatcher_type=w.dispatcher if w.model.is_moe else "auto",
+        tp_comm_overlap=w.tp_overlap,
+        overlap_moe_expert_parallel_comm=w.ep_overlap,
+        use_megatron_fsdp=w.fsdp,
+    )
+    if modules:
+        perf["recompute_modules"] = modules
+    train = dict(
+        micro_batch_size=w.micro_batch,
+        global_batch_size=w.global_batch,
+        seq_length=w.seq,
+        precision=w.precision,
+        backend="te",
+    )
+    return {"model": model, "parallel": parallel, "train": train, "perf": perf, "data": {"mock": True}}

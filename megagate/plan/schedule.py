@@ -17,7 +17,8 @@ M x (max - mean) more, the slowest stage setting the pace of the steady state. P
 
 from __future__ import annotations
 
-from megagate.errors import ConfigError
+from megagate.distributed.layout import stage_layers
+from megagate.model.model_config import ParallelConfig
 
 
 def split_layers(
@@ -29,40 +30,20 @@ def split_layers(
     account_for_loss: bool = False,
     first: int | None = None,
     last: int | None = None,
+    layout: str | None = None,
 ) -> tuple[tuple[int, ...], ...]:
-    """Transformer layers per (stage, chunk), or a one-line ConfigError when the split does not divide."""
-    chunks = vpp or 1
-    virtual = pp * chunks
-    if first is not None or last is not None:
-        edge = (first or 0) + (last or 0)
-        middle = pp - (first is not None) - (last is not None)
-        rest = num_layers - edge
-        if rest < 0 or (middle and rest % (middle * chunks)) or (not middle and rest):
-            raise ConfigError(
-                f"num_layers ({num_layers}) minus the first/last stages' layers ({edge}) does not divide over the "
-                f"{middle} other stages x {chunks} chunks"
-            )
-        per = rest // (middle * chunks) if middle else 0
-        stages = []
-        for s in range(pp):
-            count = first if s == 0 and first is not None else last if s == pp - 1 and last is not None else None
-            if count is not None and count % chunks:
-                raise ConfigError(f"a stage of {count} layers does not divide into {chunks} model chunks")
-            stages.append(tuple([count // chunks if count is not None else per] * chunks))
-        return tuple(stages)
-    total = num_layers + account_for_embedding + account_for_loss
-    if total % virtual:
-        extra = " (+ the embedding and/or loss counted as layers)" if total != num_layers else ""
-        raise ConfigError(
-            f"num_layers ({num_layers}){extra} is not divisible by PP ({pp}) x VPP ({chunks}) = {virtual}"
-        )
-    each = total // virtual
-    grid = [[each] * chunks for _ in range(pp)]
-    grid[0][0] -= account_for_embedding
-    grid[pp - 1][chunks - 1] -= account_for_loss
-    if min(min(row) for row in grid) < 0:
-        raise ConfigError(f"{num_layers} layers over {virtual} virtual stages leaves a stage with a negative count")
-    return tuple(tuple(row) for row in grid)
+    """Transformer layers per (stage, chunk), or a one-line ConfigError when the split does not divide: the
+    trainer's own rules (megagate.distributed.layout.stage_layers, megatron's)."""
+    parallel = ParallelConfig(
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        num_layers_in_first_pipeline_stage=first,
+        num_layers_in_last_pipeline_stage=last,
+        account_for_embedding_in_pipeline_split=account_for_embedding,
+        account_for_loss_in_pipeline_split=account_for_loss,
+        pipeline_model_parallel_layout=layout,
+    )
+    return stage_layers(parallel, num_layers)
 
 
 def pipeline_seconds(stage_work: list[float], microbatches: int, chunks: int = 1) -> float:

@@ -1,4 +1,5 @@
-"""The layout search: every layout (TP, PP, VPP, EP, micro-batch, recompute) that fits, ranked by step time, each
+"""The layout search: every layout (TP, PP, VPP with the embedding/loss split where the layers need it, EP,
+micro-batch, recompute) that fits, ranked by step time, each
 with what limits it (memory, the pipeline bubble, exposed communication, small expert GEMMs, host overhead)."""
 
 from __future__ import annotations
@@ -40,6 +41,42 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in (1, 2, 4, 8, 16, 32, 64, 128) if d <= limit and n % d == 0]
 
 
+def _pipeline_splits(num_layers: int, pp: int) -> list[tuple[int | None, bool]]:
+    """(VPP, embedding+loss split) pairs megatron can build at `pp` stages: every virtual depth up to 8 whose
+    chunks divide the layers evenly, or with the embedding and the loss counted as layers (Qwen3-235B's 94 layers
+    at PP 8 x VP 4, Llama-3-70B's 80 at VP 5), each chunk keeping at least one layer."""
+    if pp > num_layers:
+        return []
+    out: list[tuple[int | None, bool]] = []
+    for vpp in [None, *range(2, 9)] if pp > 1 else [None]:
+        virtual = pp * (vpp or 1)
+        if virtual > num_layers:
+            continue
+        if num_layers % virtual == 0:
+            out.append((vpp, False))
+        elif pp > 1 and (num_layers + 2) % virtual == 0 and (num_layers + 2) // virtual >= 2:
+            out.append((vpp, True))
+    return out
+
+
+def _variants(cfg: TrainConfig, ep: int, gpus_per_node: int) -> list[tuple[dict, str]]:
+    """The context-parallel sizes and dispatchers to try beside the layout: CP 2 and 4 for sequences of 16k and more
+    (TE's attention; the layout rules refuse what does not divide), DeepEP's flex dispatcher beside alltoall when the
+    EP group leaves the NVLink domain (the config's own dispatcher otherwise)."""
+    cps = [1] + ([2, 4] if cfg.train.seq_length >= 16384 and cfg.train.backend != "local" else [])
+    dispatchers = [None]
+    if cfg.model.is_moe and ep > gpus_per_node and cfg.perf.moe_token_dispatcher_type in ("auto", "alltoall"):
+        dispatchers.append("flex")
+    out = []
+    for cp in cps:
+        for dispatcher in dispatchers:
+            extra: dict = {"context_parallel_size": cp}
+            if dispatcher:
+                extra["moe_token_dispatcher_type"] = dispatcher
+            out.append((extra, (f" CP{cp}" if cp > 1 else "") + (f" {dispatcher}" if dispatcher else "")))
+    return out
+
+
 def search(
     cfg: TrainConfig,
     world_size: int,
@@ -52,12 +89,20 @@ def search(
     m = cfg.model
     profile = device_profile(gpu, plan_kwargs.pop("intra_gbs", None), plan_kwargs.pop("inter_gbs", None))
     out = []
-    for tp in _divisors(m.num_query_groups, gpus_per_node):
-        for pp in _divisors(m.num_layers, m.num_layers):
-            for vpp in [None] + ([v for v in (2, 3, 4, 6) if m.num_layers % (pp * v) == 0] if pp > 1 else []):
+    # megatron's rule (qkv_layout.check_tensor_parallel): whole heads per rank, KV groups a multiple or divisor of TP
+    tps = [
+        t
+        for t in _divisors(m.num_attention_heads, gpus_per_node)
+        if not m.num_query_groups % t or not t % m.num_query_groups
+    ]
+    for tp in tps:
+        for pp in (1, 2, 4, 8, 16, 32):
+            for vpp, split in _pipeline_splits(m.num_layers, pp):
                 for ep in _divisors(m.num_experts, world_size) if m.is_moe else [1]:
                     for mbs in (1, 2, 4):
-                        for rc in RECOMPUTE:
+                        for rc, (extra, suffix) in (
+                            (r, v) for r in RECOMPUTE for v in _variants(cfg, ep, gpus_per_node)
+                        ):
                             try:
                                 c = with_overrides(
                                     cfg,
@@ -67,7 +112,13 @@ def search(
                                     expert_model_parallel_size=ep,
                                     sequence_parallel=tp > 1,
                                     micro_batch_size=mbs,
+                                    num_layers_in_first_pipeline_stage=None,
+                                    num_layers_in_last_pipeline_stage=None,
+                                    pipeline_model_parallel_layout=None,
+                                    account_for_embedding_in_pipeline_split=split,
+                                    account_for_loss_in_pipeline_split=split,
                                     **rc,
+                                    **extra,
                                 )
                                 p = plan(c, world_size, profile, gpus_per_node=gpus_per_node, **plan_kwargs)
                             except ConfigError:
@@ -76,7 +127,9 @@ def search(
                                 label = (
                                     f"TP{tp} PP{pp}"
                                     + (f" VPP{vpp}" if vpp else "")
+                                    + (" E+L split" if split else "")
                                     + (f" EP{ep}" if m.is_moe else "")
+                                    + suffix
                                     + f" mbs{mbs} recompute={rc['recompute_granularity'] or 'none'}"
                                 )
                                 out.append(Candidate(p, label))

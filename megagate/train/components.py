@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megagate.console import log
-from megagate.distributed.layout import Layout
+from megagate.distributed.layout import Layout, placement_key
 from megagate.distributed.utils import rank0_first
 from megagate.errors import ConfigError, MegagateError
 from megagate.model_factory import build_model
 from megagate.run_config import MEGATRON_LR_STYLE, TrainConfig
-from megagate.run_setup import RunSetup
+from megagate.run_setup import RunSetup, initialize_tp_comm_overlap
 
 if TYPE_CHECKING:  # type-only: ddp_config and optimizer_config import the classes where they build them
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -75,6 +75,8 @@ def ddp_config(setup: RunSetup) -> DistributedDataParallelConfig:
         use_distributed_optimizer=cfg.train.use_distributed_optimizer,
         fp8_param_gather=cfg.train.precision == "fp8" and cfg.train.fp8_param_gather,
         check_for_nan_in_grad=False,  # the spike monitor sees non-finite gradients and decides what to do
+        use_megatron_fsdp=perf.use_megatron_fsdp,
+        data_parallel_sharding_strategy=cfg.perf.data_parallel_sharding_strategy,  # read by Megatron-FSDP only
     )
 
 
@@ -90,12 +92,12 @@ def sync_params(ddp: list) -> None:
 
 def wrap_ddp(setup: RunSetup, chunks: list) -> list:
     """megatron's DistributedDataParallel around each chunk (bucketing on the first only, as megatron-LM does)."""
-    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.distributed import DistributedDataParallel, FullyShardedDataParallel
 
     config = ddp_config(setup)
-    return [
-        DistributedDataParallel(chunk.config, config, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)
-    ]
+    # perf.use_megatron_fsdp (GPU only: resolve_perf switches it off on a CPU): megatron's FSDP adapter, same API
+    wrapper = FullyShardedDataParallel if config.use_megatron_fsdp else DistributedDataParallel
+    return [wrapper(chunk.config, config, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
 
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.uint8}
@@ -117,6 +119,11 @@ def optimizer_config(setup: RunSetup) -> OptimizerConfig:
             exp_avg_dtype=_DTYPES[perf.exp_avg_dtype],
             exp_avg_sq_dtype=_DTYPES[perf.exp_avg_sq_dtype],
         )
+    offload: dict[str, Any] = {}  # megatron's defaults (no offload, fraction 0) unless perf.optimizer_cpu_offload
+    if perf.optimizer_cpu_offload:
+        offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=setup.cfg.perf.optimizer_offload_fraction)
+    if t.precision == "fp8":
+        offload["fp8_recipe"] = t.fp8_recipe  # the precision-aware optimizer's FP8 path reads it
     choice: dict[str, Any] = {"optimizer": "adam"}
     if t.optimizer == "muon":
         from megagate.train.muon import muon_config_kwargs
@@ -135,6 +142,7 @@ def optimizer_config(setup: RunSetup) -> OptimizerConfig:
         params_dtype=dtype,
         use_distributed_optimizer=t.use_distributed_optimizer,
         overlap_param_gather=perf.overlap_param_gather,
+        **offload,
         **precision_aware,
     )
 
@@ -282,6 +290,7 @@ def layout_key(cfg: TrainConfig, layout: Layout) -> dict:
         "dp": layout.dp,
         "cp": layout.cp,
         "vpp": cfg.parallel.virtual_pipeline_model_parallel_size,
+        **placement_key(cfg.parallel, cfg.model.num_layers),
     }
 
 
@@ -324,6 +333,8 @@ def build_components(setup: RunSetup) -> Components:
     for line in (perf.cpu_line(), perf.gpu_line()):
         if line:
             log(line)  # once per run (global rank 0)
+    if perf.tp_comm_overlap:
+        initialize_tp_comm_overlap(setup)  # TE's userbuffers before the layers that use them are built
     chunks = build_model(setup)
     ddp = wrap_ddp(setup, chunks)
     optimizer, scheduler = build_optimizer(setup, ddp)

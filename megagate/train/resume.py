@@ -85,7 +85,13 @@ def check_compatible(
             "cp": p.context_parallel_size,
             "vpp": p.virtual_pipeline_model_parallel_size,
         }
+        from megagate.distributed.layout import placement_key
+
+        extra = placement_key(
+            p, cfg.model.num_layers
+        )  # expert TP and an uneven split: recorded only where set, compared both ways
         diffs = [f"{k} {saved.get(k)} -> {v}" for k, v in current.items() if k in saved and saved[k] != v]
+        diffs += [f"{k} {saved.get(k)} -> {extra.get(k)}" for k in ("etp", "stages") if saved.get(k) != extra.get(k)]
         if diffs:
             _refuse(
                 path,

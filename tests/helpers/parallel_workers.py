@@ -166,13 +166,18 @@ def _schedule_losses(model, config, microbatches, pp: int) -> list[float]:
     return [r["lm loss"].item() for r in results] if results else []
 
 
-def pp_worker(rank: int, world: int, variants: list[str], num_microbatches: int) -> dict[str, dict]:
-    """pp_variant for each variant, in one process group."""
-    return {v: pp_variant(v, num_microbatches) for v in variants}
+def pp_worker(
+    rank: int, world: int, variants: list[str], num_microbatches: int, split: dict | None = None
+) -> dict[str, dict]:
+    """pp_variant for each variant, in one process group (`split`: ParallelConfig's pipeline-split keys)."""
+    return {v: pp_variant(v, num_microbatches, split) for v in variants}
 
 
-def pp_variant(variant: str, num_microbatches: int) -> dict[str, float]:
-    """PP=1 vs PP=2 (1F1B schedule, several micro-batches) with the same weights: losses and gradients."""
+def pp_variant(variant: str, num_microbatches: int, split: dict | None = None) -> dict[str, float]:
+    """PP=1 vs PP=2 (1F1B schedule, several micro-batches) with the same weights: losses and gradients; `split`
+    (e.g. num_layers_in_first_pipeline_stage=1) splits the layers unevenly, as megatron builds the stages."""
+    from megagate.distributed.layout import stage_layers
+
     model = model_preset("tiny", gate=gates.preset(variant), num_layers=4, tie_embeddings=False)
     microbatches = [_batch(512, batch=2, seed=100 + i) for i in range(num_microbatches)]
 
@@ -182,11 +187,12 @@ def pp_variant(variant: str, num_microbatches: int) -> dict[str, float]:
     full = {n: (p.detach().clone(), p.grad.clone()) for n, p in ref.named_parameters()}
     parallel_state.destroy_model_parallel()
 
-    initialize_model_parallel(ParallelConfig(pipeline_model_parallel_size=2), seed=5)
+    parallel = ParallelConfig(pipeline_model_parallel_size=2, **(split or {}))
+    initialize_model_parallel(parallel, seed=5)
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    config = transformer_config(model, ParallelConfig(pipeline_model_parallel_size=2))
+    config = transformer_config(model, parallel)
     part = build_gpt_model(model, config, pre_process=stage == 0, post_process=stage == 1)
-    offset = stage * (model.num_layers // 2)
+    offset = sum(sum(chunks) for chunks in stage_layers(parallel, model.num_layers)[:stage])
 
     def full_name(name: str) -> str:
         if name.startswith("decoder.layers."):
@@ -202,6 +208,7 @@ def pp_variant(variant: str, num_microbatches: int) -> dict[str, float]:
     parallel_state.destroy_model_parallel()
     return {
         "stage": stage,
+        "layers": len(part.decoder.layers),
         "params": sum(1 for _ in part.parameters()),
         "loss": max(abs(a - b) for a, b in zip(losses, ref_losses)) if losses else None,
         "num_losses": len(losses),

@@ -78,10 +78,14 @@ def test_submit_dry_run_shows_the_plan_and_refuses_what_does_not_fit(capsys, mon
     assert out.startswith("#!/bin/bash") and "memory plan:" in err and "-> fits" in err
     assert cli.main([*base, "train.backend=local", "perf.core_attention=local"]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1 and "predicted out of memory" in err and "--ignore-memory-plan" in err
-    assert cli.main([*base, "train.backend=local", "perf.core_attention=local", "--ignore-memory-plan"]) == 0
-    out, err = capsys.readouterr()
-    assert out.startswith("#!/bin/bash") and "-> DOES NOT FIT: predicted out of memory" in err
+    assert out == "" and err.count("\n") == 1 and "predicted out of memory" in err and "pass --force" in err
+    refusal = err.split("error: ", 1)[1].split("; see")[0]
+    for flag in ("--force", "--ignore-memory-plan"):
+        assert cli.main([*base, "train.backend=local", "perf.core_attention=local", flag]) == 0
+        out, err = capsys.readouterr()
+        assert out.startswith("#!/bin/bash") and "-> DOES NOT FIT: predicted out of memory" in err
+        # the numbers come with it: the same refusal line (stage, GB needed of GB, largest item)
+        assert f"warning: {refusal}; submitting anyway (--force)" in err
 
 
 def test_train_dry_run_prints_the_plan(capsys) -> None:

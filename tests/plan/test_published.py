@@ -68,3 +68,40 @@ def test_nvidia_layouts_against_the_planners_best(runs) -> None:
         ratios[r.id] = P.predict(r).total / best
     assert len(ratios) >= 8
     assert all(ratio <= 1.10 for ratio in ratios.values()), ratios
+
+
+def test_plan_config_reads_every_published_setting():
+    """One mapping: each published run written as a megagate config (`published.run_config`) gives, through the
+    trainer's own resolve and the planner's `core.workload` (what `megagate plan CONFIG` runs), the run's workload
+    field by field (layout, ETP, split, recompute, dispatcher, TP/EP overlap, FSDP, precision) and the same step time."""
+    import dataclasses
+
+    from megagate import config_reader as C
+    from megagate.machine import Machine
+    from megagate.plan import published as P
+    from megagate.plan.core import device_profile, workload
+    from megagate.plan.time import step_time
+    from megagate.run_setup import resolve
+    from megagate.yamlfile import load_mapping
+
+    models = load_mapping(P.DATA)["models"]
+    runs = P.load_runs()
+    assert len(runs) >= 29
+    for run in runs:
+        cfg = C.from_dict(P.run_config(run, models[run.entry["model"]]), environment=False)
+        setup = resolve(cfg, run.workload.world, Machine.target(cfg))
+        ours = workload(setup, device_profile(run.gpu), run.gpus_per_node, 1.0)
+        theirs = run.workload
+        # the model section carries what the planner's Workload keeps beside it (recompute, the context length)
+        model = dataclasses.replace(
+            ours.model, max_sequence_length=theirs.model.max_sequence_length, recompute_granularity=None
+        )
+        assert model == theirs.model, run.id
+        for f in dataclasses.fields(theirs):
+            if f.name not in ("model", "notes", "stage_layers", "etp"):
+                assert getattr(ours, f.name) == getattr(theirs, f.name), (run.id, f.name)
+        assert ours.layers() == theirs.layers() and ours.expert_tp == theirs.expert_tp, run.id
+        profile = device_profile(run.gpu)
+        assert step_time(ours, profile, ranks_per_node=run.gpus_per_node).total == pytest.approx(
+            P.predict(run).total, rel=1e-12
+        ), run.id
