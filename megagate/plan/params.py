@@ -158,7 +158,13 @@ def chunk_params(model: ModelConfig, shape: RankShape, pp_rank: int, chunk: int)
             Param("embedding.word_embeddings.weight", vocab * h, shared_embedding=model.tie_embeddings and not last)
         )
     pattern = hybrid.pattern(model)
-    offset = (chunk * shape.pp + pp_rank) * layers  # megatron's layer offset of this virtual stage
+    # megatron's layer offset of this virtual stage: the layers of the stages before it, chunk by chunk
+    if shape.stage_layers is not None:
+        offset = sum(
+            shape.stage_layers[r][c] for c in range(chunk + 1) for r in range(shape.pp) if (c, r) < (chunk, pp_rank)
+        )
+    else:
+        offset = (chunk * shape.pp + pp_rank) * layers
     for i in range(layers):
         out += layer_params(
             model, shape.tp, shape.ep, prefix=f"decoder.layers.{i}.", mixer=pattern[offset + i], etp=shape.etp
