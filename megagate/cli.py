@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().parse_args(argv)  # prints help or the "invalid choice" error and exits
         return 2
     name = argv[0]
+    argv = _attach_dash_values(argv)
     parser = OneLineParser(prog=f"megagate {name}", description=COMMANDS[name])
     module = command_module(name)
     module.add_arguments(parser)
@@ -134,3 +135,27 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# options whose value may be a negative size or number written with a unit ("-1GB"): argparse would read such a
+# token as an unknown option and report a missing value, not the bad one
+_VALUE_OPTIONS = ("--max-shard-size",)
+
+
+def _attach_dash_values(argv: list[str]) -> list[str]:
+    """`--max-shard-size -1GB` as `--max-shard-size=-1GB`, so the option's own check names the value."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if (
+            argv[i] in _VALUE_OPTIONS
+            and i + 1 < len(argv)
+            and argv[i + 1].startswith("-")
+            and argv[i + 1][1:2].isdigit()
+        ):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out

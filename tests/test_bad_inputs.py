@@ -146,6 +146,19 @@ def w(tmp_path_factory) -> dict[str, str]:
     }
     (d / "bad_profile.json").write_text(json.dumps(profile))
     p["bad_profile"] = str(d / "bad_profile.json")
+    # good profiles but for the plan asked: a GPU the table does not know, only fp8 curves for an fp32 run
+    from helpers.plan_profiles import cpu_profile
+    from megagate.plan.profile import to_dict
+
+    good = to_dict(cpu_profile())
+    for name, change in (
+        ("unknown_gpu", {"kind": "gpu", "gpu": "h999"}),
+        ("fp8_only", {"gemm": {"fp8": good["gemm"]["fp32"]}}),
+    ):
+        (d / f"{name}.json").write_text(json.dumps({**good, **change}))
+        p[f"{name}_profile"] = str(d / f"{name}.json")
+    p["good_profile"] = str(d / "good_profile.json")
+    (d / "good_profile.json").write_text(json.dumps(good))
     # a Qwen3 config.json with a RoPE scaling megatron cannot build (dynamic NTK)
     from megagate.interop import hf
     from megagate.model import gate as gates
@@ -473,6 +486,12 @@ CASES = [
     C("plan-profile-not-json", "plan {base} --nodes 1 --profile {base}", "not a JSON device profile"),
     C("plan-profile-bad-field", "plan {base} --nodes 1 --profile {bad_profile}", "gemm.fp32.rate"),
     C("plan-imbalance", "plan {base} --nodes 1 --routing-imbalance 0.5", "0.5"),
+    C("plan-profile-unknown-gpu", "plan {base} --nodes 1 --profile {unknown_gpu_profile}", "gpu='h999'"),
+    C("plan-profile-fp8-only", "plan {base} --nodes 1 --profile {fp8_only_profile}", "fp8 only"),
+    C("plan-profile-fp8-only-with-gpu", "plan {base} --nodes 1 --profile {fp8_only_profile} --gpu h200", "fp8 only"),
+    C("eval-seed", "eval {work}/ckpt --seq-lengths 32 --data @run --seed -1", "--seed -1"),
+    C("eval-buckets", "eval {work}/ckpt --seq-lengths 32 --data @run --buckets 64", "--buckets 64"),
+    C("export-shard-negative", "export {work}/ckpt --out {work}/hf --max-shard-size -1GB", "-1GB", "hf"),
     C("calibrate-budget", "calibrate --budget-s 0 --out {work}/p.json", "0", "p.json"),
     C("calibrate-out-folder", "calibrate --out {work}", "folder"),
     C("calibrate-out-missing-folder", "calibrate --out {work}/no/p.json", "does not exist"),

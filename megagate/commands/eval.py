@@ -67,12 +67,18 @@ def run(args: argparse.Namespace) -> int:
         ("--tp", args.tp, 1),
         ("--pp", args.pp, 1),
         ("--diagnostics-max-length", args.diagnostics_max_length, 0),
+        ("--seed", args.seed, 0),
     ):
         if value < low:
             raise MegagateError(f"{flag} {value}: must be >= {low}")
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         raise MegagateError(f"--out {args.out}: exists and is not a folder")
     lengths = options.parse_lengths(args.seq_lengths)
+    if args.buckets > min(lengths):
+        raise MegagateError(
+            f"--buckets {args.buckets}: more position buckets than positions in the shortest --seq-lengths window "
+            f"({min(lengths)}); give at most {min(lengths)}"
+        )
     rope = options.parse_rope(args.rope)
     names = None if args.names is None else [n.strip() for n in args.names.split(",")]
     if names is not None and len(names) != len(args.checkpoints):

@@ -18,7 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides (values parsed as YAML)")
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (8; 4 on GB200 trays)")
-    parser.add_argument("--gpu", default="h100-sxm", help=f"GPU of the datasheet profile: {', '.join(GPUS)}")
+    parser.add_argument(
+        "--gpu", default=None, help=f"GPU of the datasheet profile (default h100-sxm): {', '.join(GPUS)}"
+    )
     parser.add_argument(
         "--profile", default=None, help="a device profile from `megagate calibrate` (replaces --gpu's datasheet one)"
     )
@@ -56,12 +58,17 @@ def run(args: argparse.Namespace) -> int:
     if args.profile is not None:
         from megagate.plan import profile as profile_mod
 
-        device = profile_mod.load(args.profile)
+        device = profile_mod.load(args.profile)  # replaces --gpu's datasheet (the GPU acceptance script passes both)
     else:
         from megagate.plan.devices import gpu_spec
 
-        device = gpu_spec(args.gpu)  # the unknown-GPU refusal before the config is read
+        device = gpu_spec(args.gpu or "h100-sxm")  # the unknown-GPU refusal before the config is read
     cfg = config_reader.load(args.config, args.overrides, environment=False)  # planned away from the data
+    if args.profile is not None:
+        try:
+            device.check_precision(cfg.train.precision)
+        except ConfigError as exc:
+            raise ConfigError(f"--profile {args.profile!r}: {exc}") from None
     world = args.nodes * args.gpus_per_node
     kwargs = dict(
         gpus_per_node=args.gpus_per_node,
@@ -72,9 +79,11 @@ def run(args: argparse.Namespace) -> int:
         routing_imbalance=args.routing_imbalance,
     )
     if args.search:
-        from megagate.plan.search import format_search, search
+        from megagate.plan.search import format_search, search, why_nothing_fits
 
-        cands = search(cfg, world, device, **kwargs)
+        misses: list = []
+        cands = search(cfg, world, device, misses=misses, **kwargs)
+        why = None if cands else why_nothing_fits(misses, world)
         if args.json:
             print(
                 json.dumps(
@@ -91,12 +100,13 @@ def run(args: argparse.Namespace) -> int:
                         ],
                         "fitting_layouts": len(cands),
                         "best": cands[0].plan.to_dict() if cands else None,
+                        **({"nothing_fits": why} if why else {}),
                     },
                     indent=1,
                 )
             )
         else:
-            print(format_search(cands, args.top))
+            print(format_search(cands, args.top) + (f": {why}" if why else ""))
             if cands:
                 print("\nbest:\n" + cands[0].plan.table())
         return 0 if cands else 1

@@ -170,6 +170,18 @@ class DeviceProfile:
             return dataclasses.replace(c, rate=c.rate / 2)
         return next(iter(self.gemm.values()))
 
+    def check_precision(self, precision: str) -> None:
+        """A one-line ConfigError where `curve` would stand in another precision's curve for `precision` that it
+        does not describe (only fp8 measured for an fp32 or bf16 run: fp8's rate is not theirs)."""
+        if precision in self.gemm or precision == "fp8" and "bf16" in self.gemm:
+            return
+        if precision in ("fp32", "bf16") and set(self.gemm) - {"fp8"}:
+            return  # the other of fp32 / bf16 stands in (bf16 at half the rate for fp32)
+        raise ConfigError(
+            f"has GEMM curves for {', '.join(sorted(self.gemm))} only, none for train.precision={precision!r}: "
+            f"calibrate {precision} too (megagate calibrate), or plan another precision"
+        )
+
     def grouped_curve(self, precision: str) -> Curve | None:
         """The grouped-GEMM curve of a precision (None: no grouped kernel measured or known)."""
         if not self.grouped_gemm:
@@ -327,7 +339,7 @@ def from_dict(data: Any) -> DeviceProfile:
         intra=_link(_get(data, "intra", dict), "intra"),
         inter=_link(_get(data, "inter", dict), "inter"),
         host=Host(**host_values),
-        gpu=data.get("gpu") if isinstance(data.get("gpu"), str) else None,
+        gpu=_gpu_name(data.get("gpu")),
         nvlink_domain=int(_number(data, "nvlink_domain")) if "nvlink_domain" in data else 8,
         alltoall_efficiency=_number(data, "alltoall_efficiency") if "alltoall_efficiency" in data else 1.0,
         overlap_efficiency=_number(data, "overlap_efficiency") if "overlap_efficiency" in data else 1.0,
@@ -405,3 +417,14 @@ def _attention(data: Any, where: str) -> AttentionCurve:
 
 def _link(data: dict, where: str) -> Link:
     return Link(_number(data, "latency", where + ".", zero=True), _number(data, "bandwidth", where + "."))
+
+
+def _gpu_name(value: Any) -> str | None:
+    """The profile's GPU: a name of the planner's GPU table, or none."""
+    if value is None:
+        return None
+    from megagate.plan.devices import GPUS
+
+    if not isinstance(value, str) or value not in GPUS:
+        raise ConfigError(f"gpu={value!r} is not a GPU of the planner's table ({', '.join(GPUS)}) or null")
+    return value

@@ -83,9 +83,11 @@ def search(
     gpu: str | DeviceProfile,
     *,
     gpus_per_node: int = 8,
+    misses: list[Candidate] | None = None,
     **plan_kwargs: object,
 ) -> list[Candidate]:
-    """The fitting layouts of cfg's model on world_size GPUs, fastest first (TP within a node, SP whenever TP > 1)."""
+    """The fitting layouts of cfg's model on world_size GPUs, fastest first (TP within a node, SP whenever TP > 1);
+    `misses`, when given, receives the layouts megatron accepts that do not fit."""
     m = cfg.model
     profile = device_profile(gpu, plan_kwargs.pop("intra_gbs", None), plan_kwargs.pop("inter_gbs", None))
     out = []
@@ -123,17 +125,32 @@ def search(
                                 p = plan(c, world_size, profile, gpus_per_node=gpus_per_node, **plan_kwargs)
                             except ConfigError:
                                 continue  # not a layout megatron accepts for this world / batch
+                            label = (
+                                f"TP{tp} PP{pp}"
+                                + (f" VPP{vpp}" if vpp else "")
+                                + (" E+L split" if split else "")
+                                + (f" EP{ep}" if m.is_moe else "")
+                                + suffix
+                                + f" mbs{mbs} recompute={rc['recompute_granularity'] or 'none'}"
+                            )
                             if p.fits:
-                                label = (
-                                    f"TP{tp} PP{pp}"
-                                    + (f" VPP{vpp}" if vpp else "")
-                                    + (" E+L split" if split else "")
-                                    + (f" EP{ep}" if m.is_moe else "")
-                                    + suffix
-                                    + f" mbs{mbs} recompute={rc['recompute_granularity'] or 'none'}"
-                                )
                                 out.append(Candidate(p, label))
+                            elif misses is not None:
+                                misses.append(Candidate(p, label))
     return sorted(out, key=lambda c: c.plan.time.total)
+
+
+def why_nothing_fits(misses: list[Candidate], world_size: int) -> str:
+    """Why a search found no layout: none that megatron accepts on these GPUs, or the one needing the least memory
+    and how far over it is."""
+    if not misses:
+        return f"no layout of the model on {world_size} GPUs is one megatron accepts (heads, layers, batch, experts)"
+    least = min(misses, key=lambda c: max(r.total for r in c.plan.roles))
+    need = max(r.total for r in least.plan.roles) / 1e9
+    return (
+        f"the layout needing the least memory, {least.label}, needs {need:.1f} GB of "
+        f"{least.plan.memory_bytes / 1e9:.1f} GB per GPU"
+    )
 
 
 def format_search(cands: list[Candidate], top: int = 15) -> str:
