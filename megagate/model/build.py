@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from megagate.model import hybrid
 from megagate.model.model_config import ModelConfig, ParallelConfig
+
+if TYPE_CHECKING:  # megatron is imported inside the functions (its import is slow and prints notices)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
 
 
 def transformer_config(
@@ -19,7 +23,7 @@ def transformer_config(
     use_cpu: bool | None = None,
     perform_initialization: bool = True,
     **extra: Any,
-) -> TransformerConfig:  # noqa: F821
+) -> TransformerConfig:
     """megatron's TransformerConfig for `model` under `parallel`.
 
     `extra` wins over everything set here: a run passes its precision (FP8 recipe) and the perf settings in force
@@ -119,14 +123,14 @@ def transformer_config(
 
 def build_gpt_model(
     model: ModelConfig,
-    config: TransformerConfig,  # noqa: F821
+    config: TransformerConfig,
     *,
     backend: str = "local",
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int | None = None,
     core_attention: str = "auto",
-) -> GPTModel:  # noqa: F821
+) -> GPTModel:
     """A megatron GPTModel built from the gated decoder block spec (this pipeline stage's part); `core_attention`
     ("auto" | "sdpa" | "local" | "te") picks the attention kernel (`megagate.model.kernels.resolve_core_attention`)."""
     from megatron.core import parallel_state
