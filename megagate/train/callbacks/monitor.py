@@ -132,9 +132,8 @@ class SpikeMonitoring(Callback):
     def _log_scores(self, step: int) -> None:
         if self._trainer is not None:
             self._trainer.record_summary("spike_score", self.scores.summary())
-        if self.writer is not None:
-            for tag, value in self.scores.scalars().items():
-                self.writer.add_scalar(tag, value, step)
+            if self.writer is not None:  # the logging rank
+                self._trainer.record_metric(step, self.scores.scalars())
 
     def _rollback(self, trainer: TrainerView, step: int) -> None:
         path = trainer.latest_checkpoint()
@@ -258,10 +257,9 @@ class LiveDiagnostics(Callback):
         )
         if trainer.logging_rank:
             run_dir = trainer.cfg.output.dir
-            if self.writer is not None:
+            trainer.record_metric(output.step, precursor_scalars(record))
+            if self.writer is not None:  # the histograms of the gate scores go to TensorBoard only
                 diagnostics.log_to_tensorboard(self.writer, output.step, diags)
-                for tag, value in precursor_scalars(record).items():
-                    self.writer.add_scalar(tag, value, output.step)
             for line in diagnostics.records(output.step, diags):
                 runfiles.append_jsonl(os.path.join(run_dir, runfiles.DIAGNOSTICS), line)
             runfiles.append_jsonl(os.path.join(run_dir, runfiles.PRECURSORS), record)

@@ -4,13 +4,10 @@ and summary.json (`router`: the last window and the dead experts over the whole 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from megagate.monitor import router
 from megagate.train.callbacks.base import Callback, StepOutput, TrainerView
-from megagate.train.callbacks.metrics import MetricsLogger
 
 
 class RouterHealth(Callback):
@@ -22,13 +19,10 @@ class RouterHealth(Callback):
     def __init__(self) -> None:
         self.counts: router.RouterCounts | None = None
         self.whole_run: torch.Tensor | None = None
-        self.writer: Any = None
 
     def on_start(self, trainer: TrainerView) -> None:
         model = trainer.cfg.model
         self.counts = router.RouterCounts(trainer.model, model.num_layers, model.num_experts)
-        logger = trainer.callback(MetricsLogger)
-        self.writer = None if logger is None or not trainer.logging_rank else logger.writer
 
     def on_step_start(self, trainer: TrainerView, step: int) -> None:
         # the entropy is measured on the logging steps' micro-batches only (it recomputes the router logits)
@@ -59,6 +53,5 @@ class RouterHealth(Callback):
             "router",
             {"window": stats, "dead_whole_run": {layer: v["dead"] for layer, v in whole["layers"].items()}},
         )
-        if self.writer is not None:
-            for tag, value in router.scalars(stats).items():
-                self.writer.add_scalar(tag, value, step)
+        if trainer.logging_rank:
+            trainer.record_metric(step, router.scalars(stats))
