@@ -17,6 +17,8 @@ import pytest
 from helpers import forked
 from megagate.distributed import utils
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def test_host_name_prefers_the_scheduler_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLURMD_NODENAME", "gpu-node-017")
@@ -58,17 +60,21 @@ def test_single_process_port(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_rank_helpers_without_a_process_group() -> None:
-    calls: list[int] = []
-    assert (utils.is_distributed(), utils.get_rank(), utils.get_world_size(), utils.is_global_rank0()) == (
-        False,
-        0,
-        1,
-        True,
-    )
-    assert utils.gather_objects({"a": 1}) == [{"a": 1}]
-    assert utils.broadcast_object([2, 3]) == [2, 3]
-    assert utils.rank0_first(lambda: calls.append(1) or len(calls)) == 1
-    assert calls == [1]  # once, not once per "rank"
+    # in a fresh interpreter: an earlier test of this pytest worker may have left a process group up
+    code = """
+from megagate.distributed import utils
+calls = []
+state = (utils.is_distributed(), utils.get_rank(), utils.get_world_size(), utils.is_global_rank0())
+assert state == (False, 0, 1, True), state
+assert utils.gather_objects({"a": 1}) == [{"a": 1}]
+assert utils.broadcast_object([2, 3]) == [2, 3]
+assert utils.rank0_first(lambda: calls.append(1) or len(calls)) == 1
+assert calls == [1], calls  # once, not once per "rank"
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert result.returncode == 0 and result.stdout == "ok\n", result.stderr
 
 
 def test_children_module_imports_no_torch() -> None:
