@@ -66,6 +66,7 @@ def transformer_config(
         layernorm_epsilon=model.norm_epsilon,
         layernorm_zero_centered_gamma=model.norm_zero_centered,
         qk_layernorm=model.qk_layernorm,
+        softmax_type=model.softmax_type,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
