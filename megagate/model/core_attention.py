@@ -217,6 +217,9 @@ def _softmax_offset(config: TransformerConfig, heads: int) -> Tensor | None:
     if config.softmax_type == "off-by-one":
         return offset
     param = torch.nn.Parameter(offset)
+    # sharded over TP by heads (megatron's module leaves the attribute unset, so its grad norm and a
+    # layout-independent initialisation would treat every rank's heads as one replicated tensor)
+    tensor_parallel.set_tensor_model_parallel_attributes(param, True, 0, 1)
     if config.perform_initialization:
         with torch.no_grad():
             config.init_method(param)

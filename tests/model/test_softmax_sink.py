@@ -136,3 +136,36 @@ def test_learnable_sink_trains_and_round_trips_through_state_dict(megatron_world
         prefix="x.", metadata={"dp_cp_group": None}
     )
     assert list(keys) == ["x.softmax_offset"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("softmax_type", ["off-by-one", "learnable"])
+def test_tp2_equals_tp1_with_a_sink(tmp_path, softmax_type):
+    """Over gloo, 2 real processes: the tiny G1 and baseline models with a sink give the TP 1 loss and gradients at
+    TP 2 (the learnable offset sharded by heads, its gradient included)."""
+    from helpers import distributed, parallel_workers
+
+    variants = ["baseline", "g1-elementwise"]
+    results = distributed.run(parallel_workers.tp_worker, 2, tmp_path, variants, None, {"softmax_type": softmax_type})
+    for rank_result in results:
+        assert set(rank_result) == set(variants)
+        for variant, diff in rank_result.items():
+            assert diff["loss"] < 1e-5, (variant, diff)
+            assert diff["grad"] < 1e-5 * max(1.0, diff["grad_scale"]), (variant, diff)
+
+
+def test_layout_independent_init_draws_the_offset(megatron_world):
+    """megagate.model.init covers the offset (normal(0, σ) by its global name, full head axis, TP-sharded)."""
+    from megagate.model.build import build_gpt_model
+    from megagate.model.init import initial_value, initialize, rule_for
+
+    sink = dataclasses.replace(model_preset("tiny"), softmax_type="learnable")
+    gpt = build_gpt_model(sink, transformer_config(sink), core_attention="sdpa")
+    name = "decoder.layers.0.self_attention.core_attention.softmax_offset"
+    assert rule_for(name).what == "softmax sink logit"
+    initialize([gpt], seed=3, std=0.02, num_layers=sink.num_layers)
+    offset = dict(gpt.named_parameters())[name]
+    assert offset.tensor_model_parallel and offset.partition_dim == 0
+    expected = initial_value(name, (4,), 3, 0.02, sink.num_layers)
+    torch.testing.assert_close(offset.detach(), expected)
+    assert 0 < expected.abs().max() < 0.1
