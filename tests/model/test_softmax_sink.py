@@ -169,3 +169,13 @@ def test_layout_independent_init_draws_the_offset(megatron_world):
     expected = initial_value(name, (4,), 3, 0.02, sink.num_layers)
     torch.testing.assert_close(offset.detach(), expected)
     assert 0 < expected.abs().max() < 0.1
+
+
+def test_variants_lists_the_sink_baselines_with_their_counts(megatron_world, capsys):
+    from megagate.cli import main
+
+    assert main(["variants", "--models", "tiny", "--variants", "baseline", "off-by-one", "learnable-sink"]) == 0
+    rows = {line.split()[1]: line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("tiny ")}
+    base = int(rows["baseline"][2].replace(",", ""))
+    assert int(rows["off-by-one"][2].replace(",", "")) == base
+    assert int(rows["learnable-sink"][2].replace(",", "")) == base + 2 * 4  # 2 layers x 4 heads
