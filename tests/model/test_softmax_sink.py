@@ -179,3 +179,12 @@ def test_variants_lists_the_sink_baselines_with_their_counts(megatron_world, cap
     base = int(rows["baseline"][2].replace(",", ""))
     assert int(rows["off-by-one"][2].replace(",", "")) == base
     assert int(rows["learnable-sink"][2].replace(",", "")) == base + 2 * 4  # 2 layers x 4 heads
+
+
+def test_local_core_attention_with_a_sink_is_refused_without_cuda(megatron_world):
+    from megagate.model.build import build_gpt_model
+
+    sink = dataclasses.replace(model_preset("tiny"), softmax_type="off-by-one")
+    with pytest.raises(ConfigError, match="needs CUDA") as err:
+        build_gpt_model(sink, transformer_config(sink), core_attention="local")
+    assert "\n" not in str(err.value)
