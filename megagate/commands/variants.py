@@ -10,6 +10,18 @@ from megagate.model.counts import parameter_counts
 from megagate.model.presets import PRESETS, model_preset
 
 PAPER_MODELS = ("1.7b-28l", "1.7b-48l", "15a2b-moe")
+# The softmax-sink baselines (model.softmax_type, not a gate): the ungated model with a sink in every attention row
+SINK_BASELINES = {
+    "off-by-one": ("baseline", {"softmax_type": "off-by-one"}, "no gate; softmax_type=off-by-one (exp(0) sink)"),
+    "learnable-sink": ("baseline", {"softmax_type": "learnable"}, "no gate; softmax_type=learnable (a logit/head)"),
+}
+VARIANTS = [*gates.PRESETS, *SINK_BASELINES]
+
+
+def variant_model(preset: str, variant: str):
+    """The ModelConfig of a model preset with a gate preset or a sink baseline."""
+    gate, fields, _ = SINK_BASELINES.get(variant, (variant, {}, ""))
+    return model_preset(preset, gate=gates.preset(gate), **fields)
 
 
 def parameter_table(model_presets: tuple[str, ...], variants: list[str], build: bool) -> list[dict]:
@@ -17,7 +29,7 @@ def parameter_table(model_presets: tuple[str, ...], variants: list[str], build: 
     rows = []
     for preset in model_presets:
         for variant in variants:
-            model = model_preset(preset, gate=gates.preset(variant))
+            model = variant_model(preset, variant)
             counts = parameter_counts(model)
             rows.append(
                 {
@@ -49,13 +61,14 @@ def format_table(rows: list[dict]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", default=list(PAPER_MODELS), choices=list(PRESETS))
-    parser.add_argument("--variants", nargs="+", default=list(gates.PRESETS), choices=list(gates.PRESETS))
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--build", action="store_true", help="also build each model on the meta device and count")
 
 
 def run(args: argparse.Namespace) -> int:
     for name in args.variants:
-        print(f"{name:32s} {gates.preset(name).describe()}")
+        described = SINK_BASELINES[name][2] if name in SINK_BASELINES else gates.preset(name).describe()
+        print(f"{name:32s} {described}")
     print()
     if args.build:
         from megagate.distributed import parallel

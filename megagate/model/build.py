@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from megagate.errors import ConfigError
 from megagate.model import hybrid
 from megagate.model.model_config import ModelConfig, ParallelConfig
 
@@ -70,6 +71,7 @@ def transformer_config(
         layernorm_epsilon=model.norm_epsilon,
         layernorm_zero_centered_gamma=model.norm_zero_centered,
         qk_layernorm=model.qk_layernorm,
+        softmax_type=model.softmax_type,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -136,9 +138,16 @@ def build_gpt_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from megagate.model.kernels import resolve_core_attention
     from megagate.model.rotary import fit_rotary
     from megagate.model.spec import gated_decoder_block_spec
 
+    if model.softmax_type != "vanilla" and not torch.cuda.is_available():
+        if resolve_core_attention(backend, core_attention) == "local":
+            raise ConfigError(
+                f"model.softmax_type={model.softmax_type!r} with core_attention='local' needs CUDA (megatron-core "
+                "0.19 allocates the sink on the current CUDA device); use core_attention='sdpa'"
+            )
     hybrid.check_gdn_parallel(
         model, parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size()
     )

@@ -10,7 +10,13 @@ selective recompute (`_checkpointed_attention_forward` calls this module with th
 diagnostics' pre-forward hook on `core_attention` (which reads `softmax_scale`) work unchanged.
 
 What it cannot compute is refused in one line (`ConfigError`) instead of computing something else: packed
-sequences (THD), context parallelism, attention bias, sliding-window attention and non-vanilla softmax.
+sequences (THD), context parallelism, attention bias and sliding-window attention.
+
+Softmax sinks (`config.softmax_type`, megatron's `SoftmaxOne`): "off-by-one" adds exp(0) to every row's softmax
+denominator, "learnable" adds exp(s_h) with a learned per-head logit s_h (`softmax_offset`, [np] on this TP rank,
+created, initialised and checkpointed as megatron's module does). SDPA computes it exactly with one extra key per
+row: a zero key and a zero value, whose additive-mask entry is the sink logit (q·0 = 0, so its score is the logit;
+its value adds nothing). The causal mask is then an explicit float mask.
 
 One numerical difference from megatron's local module, by design: a query row whose keys are *all* masked gets zeros
 from SDPA, where megatron's `masked_fill(-10000)` gives the mean of the values. Such rows only arise from padding
@@ -25,11 +31,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.transformer.utils import is_layer_window_attention, make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide
 from torch import Tensor
 
@@ -77,11 +84,6 @@ class SDPACoreAttention(MegatronModule):
                 f"core_attention='sdpa' does not support window_size={config.window_size} (sliding-window "
                 "attention); use core_attention='local' or 'te'"
             )
-        if config.softmax_type != "vanilla":
-            raise ConfigError(
-                f"core_attention='sdpa' does not support softmax_type={config.softmax_type!r}; only 'vanilla' "
-                "(use core_attention='local' or 'te')"
-            )
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -104,6 +106,22 @@ class SDPACoreAttention(MegatronModule):
             1.0 / math.sqrt(self.hidden_size_per_attention_head) if softmax_scale is None else float(softmax_scale)
         )
         self.dropout_p = float(config.attention_dropout if attention_dropout is None else attention_dropout)
+        # a Parameter (learnable) registers itself; off-by-one's zeros are a plain attribute, as in megatron
+        self.softmax_offset = _softmax_offset(config, self.num_attention_heads_per_partition)
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> ShardedStateDict:
+        """The learnable softmax offset, sharded over TP along its head axis (megatron's module's own layout)."""
+        state = self.state_dict(prefix="", keep_vars=True) if self.config.softmax_type == "learnable" else {}
+        return make_sharded_tensors_for_checkpoint(
+            state,
+            prefix,
+            {"softmax_offset": 0},
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
 
     def forward(
         self,
@@ -164,6 +182,10 @@ class SDPACoreAttention(MegatronModule):
                 k = k.repeat_interleave(np_ // ng, dim=1)
                 v = v.repeat_interleave(np_ // ng, dim=1)
 
+        if self.softmax_offset is not None:
+            q, k, v, mask = _with_sink(q, k, v, mask, is_causal, self.softmax_offset)
+            is_causal, enable_gqa = False, False
+
         dropout_p = self.dropout_p if self.training else 0.0
         kwargs = dict(attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale)
         if enable_gqa:
@@ -177,3 +199,54 @@ class SDPACoreAttention(MegatronModule):
 
         # [b, np, sq, hn] -> [sq, b, np, hn] -> [sq, b, np·hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+
+def _softmax_offset(config: TransformerConfig, heads: int) -> Tensor | None:
+    """megatron's softmax_offset for `heads` heads: None (vanilla), zeros (off-by-one), a parameter (learnable,
+    `config.init_method` as megatron initialises it). With use_cpu_initialization on torch's default device (the
+    CPU, or the meta device of a planner's build), where megatron's module allocates on CUDA unconditionally."""
+    if config.softmax_type == "vanilla":
+        return None
+    if config.softmax_type not in SOFTMAX_TYPES:
+        raise ConfigError(f"softmax_type={config.softmax_type!r} is not one of {', '.join(SOFTMAX_TYPES)}")
+    device = None if config.use_cpu_initialization else torch.cuda.current_device()
+    offset = torch.zeros(heads, device=device, dtype=config.params_dtype)
+    if config.softmax_type == "off-by-one":
+        return offset
+    param = torch.nn.Parameter(offset)
+    # sharded over TP by heads (megatron's module leaves the attribute unset, so its grad norm and a
+    # layout-independent initialisation would treat every rank's heads as one replicated tensor)
+    tensor_parallel.set_tensor_model_parallel_attributes(param, True, 0, 1)
+    if config.perform_initialization:
+        with torch.no_grad():
+            config.init_method(param)
+    return param
+
+
+def _with_sink(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, sink: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q [b, np, sq, hn], k/v [b, ng, sk, hn] with one zero key/value appended (groups expanded to heads) and the
+    additive float mask [b|1, np, sq, sk+1]: 0 / -inf from `mask` (True = takes part) or causality, the per-head
+    sink logit in the last column."""
+    b, np_, sq, hn = q.shape
+    ng, sk = k.size(1), k.size(2)
+    if ng != np_:
+        k = k.repeat_interleave(np_ // ng, dim=1)
+        v = v.repeat_interleave(np_ // ng, dim=1)
+    zeros = q.new_zeros(b, np_, 1, hn)
+    k = torch.cat([k, zeros.to(k.dtype)], dim=2)
+    v = torch.cat([v, zeros.to(v.dtype)], dim=2)
+    if mask is None:
+        allowed = torch.ones(1, 1, sq, sk, dtype=torch.bool, device=q.device)
+        if is_causal:
+            allowed = allowed.tril()
+    else:
+        allowed = mask
+    allowed = allowed.expand(-1, np_, sq, sk) if allowed.size(1) == 1 else allowed.expand(-1, -1, sq, sk)
+    scores = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
+    column = sink.to(q.dtype).reshape(1, np_, 1, 1).expand(scores.size(0), np_, sq, 1)
+    return q, k, v, torch.cat([scores, column], dim=-1)

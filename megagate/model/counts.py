@@ -18,6 +18,7 @@ def parameter_counts(model: ModelConfig) -> dict[str, int]:
         model.num_layers,
     )
     attention = h * n * d + 2 * h * g * d + n * d * h + (2 * d if model.qk_layernorm else 0)
+    attention += n if model.softmax_type == "learnable" else 0  # the learnable sink: one logit per head
     gate = gate_parameter_count(model.gate, h, n, g, d)
     norms = 2 * h + model.sandwich_norm_params
     if model.is_moe:

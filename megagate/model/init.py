@@ -63,6 +63,8 @@ RULES: tuple[Rule, ...] = (
     Rule("GDN conv", re.compile(r"\.conv1d\.weight$"), "normal"),
     Rule("GDN dt bias", re.compile(r"\.dt_bias$"), "ones"),
     Rule("GDN decay", re.compile(r"\.A_log$"), "log_uniform_1_16"),
+    # the learnable softmax sink (model.softmax_type=learnable): megatron's init_method, normal(0, σ), per head
+    Rule("softmax sink logit", re.compile(r"\.core_attention\.softmax_offset$"), "normal"),
     Rule("embedding / output layer", re.compile(r"^(embedding\.word_embeddings|output_layer)\.weight$"), "normal"),
 )
 

@@ -96,6 +96,10 @@ class ModelConfig:
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    # Softmax sink baseline (megatron's softmax_type): "vanilla"; "off-by-one" (exp(0) added to every attention
+    # row's denominator); "learnable" (exp(s_h), one learned logit per head and attention layer). The gate multiplies
+    # the attention output after the softmax, so every gate variant composes with a sink.
+    softmax_type: str = "vanilla"
     gate: GateConfig = field(default_factory=GateConfig)
 
     def __post_init__(self) -> None:
@@ -118,6 +122,11 @@ class ModelConfig:
                 f"model.num_query_groups ({self.num_query_groups})"
             )
         hybrid.check_pattern(self)
+        if self.softmax_type not in SOFTMAX_TYPES:
+            hint = did_you_mean(str(self.softmax_type), SOFTMAX_TYPES)
+            raise ConfigError(
+                f"model.softmax_type={self.softmax_type!r} is not one of {', '.join(SOFTMAX_TYPES)}{hint}"
+            )
         check_shared_expert(self)
         check_recompute(self.recompute_granularity, self.recompute_method, self.recompute_num_layers)
         check_position_embedding(self)
@@ -189,6 +198,7 @@ def check_shared_expert(m: ModelConfig) -> None:
         raise ConfigError("model.moe_shared_expert_gate=true needs model.moe_shared_expert_intermediate_size > 0")
 
 
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 

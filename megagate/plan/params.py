@@ -103,6 +103,8 @@ def _attention_params(model: ModelConfig, tp: int, prefix: str) -> list[Param]:
     for e in gate_entries:
         if not e.in_linear_qkv:
             out.append(Param(prefix + "self_attention." + e.name, math.prod(e.local_shape(tp))))
+    if model.softmax_type == "learnable":  # core attention (built before linear_proj): one sink logit per head
+        out.append(Param(prefix + "self_attention.core_attention.softmax_offset", n // tp))
     out.append(Param(prefix + "self_attention.linear_proj.weight", h * n * d // tp))
     out.append(Param(prefix + "self_attention.linear_qkv.weight", ((n + 2 * g) * d * h + qkv_extra) // tp))
     if model.qk_layernorm:

@@ -93,18 +93,22 @@ def _checkpoint_mismatches(model: torch.nn.Module) -> list[str]:
 
 
 def tp_worker(
-    rank: int, world: int, variants: list[str | gates.GateConfig], setup: Callable[[], Any] | None = None
+    rank: int,
+    world: int,
+    variants: list[str | gates.GateConfig],
+    setup: Callable[[], Any] | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """For each variant (a preset name or a GateConfig): TP=1 and TP=2 models with the same full weights; max |Δ| of
     losses and gradients, and the gate parameters whose checkpoint shapes disagree with the table. `setup` runs
-    first (e.g. registering a variant in this process)."""
+    first (e.g. registering a variant in this process); `fields` override the tiny model's (e.g. softmax_type)."""
     if setup is not None:
         setup()
     tokens, labels, position_ids = _batch(512)
     report = {}
     for variant in variants:
         gate = gates.preset(variant) if isinstance(variant, str) else variant
-        model = model_preset("tiny", gate=gate)
+        model = model_preset("tiny", gate=gate, **(fields or {}))
         ref = _build(model, ParallelConfig())
         _perturb_(ref, seed=1)
         ref_loss = ref(tokens, position_ids, None, labels=labels)
