@@ -1,6 +1,6 @@
 """docs/data.md's "Your own data" walk-through, end to end, as pasted: the commands of its shell block run in order
-(in a scratch folder that has the repository's examples/), the trainings and the evaluation shortened by
-key=value overrides appended to them (the only change), and each output the doc names is checked."""
+(in a scratch folder that has the repository's examples/), the two trainings shortened by key=value overrides
+appended to them (the only change), and each output the doc names is checked."""
 
 from __future__ import annotations
 

@@ -41,6 +41,7 @@ from megatron.core.utils import divide
 from torch import Tensor
 
 from megagate.errors import ConfigError
+from megagate.model.model_config import SOFTMAX_TYPES
 
 # Names of torch's SDPA backends, in torch's own preference order on CUDA.
 _CUDA_BACKENDS = (
@@ -174,17 +175,18 @@ class SDPACoreAttention(MegatronModule):
         # enable_gqa mapping. torch's CPU flash kernel and CUDA's flash kernel take grouped heads directly; with a
         # mask on CUDA the memory-efficient kernel runs, whose GQA support differs between torch releases, so there
         # the groups are expanded (O(s) memory, like q itself).
+        # With a sink the mask is an explicit float mask per head (below): the groups are expanded there too.
         enable_gqa = False
         if ng != np_:
-            if q.device.type == "cpu" or mask is None:
+            if self.softmax_offset is None and (q.device.type == "cpu" or mask is None):
                 enable_gqa = True
             else:
                 k = k.repeat_interleave(np_ // ng, dim=1)
                 v = v.repeat_interleave(np_ // ng, dim=1)
 
         if self.softmax_offset is not None:
-            q, k, v, mask = _with_sink(q, k, v, mask, is_causal, self.softmax_offset)
-            is_causal, enable_gqa = False, False
+            k, v, mask = _with_sink(q, k, v, mask, is_causal, self.softmax_offset)
+            is_causal = False
 
         dropout_p = self.dropout_p if self.training else 0.0
         kwargs = dict(attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale)
@@ -199,9 +201,6 @@ class SDPACoreAttention(MegatronModule):
 
         # [b, np, sq, hn] -> [sq, b, np, hn] -> [sq, b, np·hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
-
-
-SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
 def _softmax_offset(config: TransformerConfig, heads: int) -> Tensor | None:
@@ -228,15 +227,12 @@ def _softmax_offset(config: TransformerConfig, heads: int) -> Tensor | None:
 
 def _with_sink(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, sink: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """q [b, np, sq, hn], k/v [b, ng, sk, hn] with one zero key/value appended (groups expanded to heads) and the
-    additive float mask [b|1, np, sq, sk+1]: 0 / -inf from `mask` (True = takes part) or causality, the per-head
-    sink logit in the last column."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """k/v [b, np, sk, hn] (groups already expanded to heads) with one zero key/value appended, and the additive
+    float mask [b|1, np, sq, sk+1]: 0 / -inf from `mask` (True = takes part) or causality, the per-head sink logit
+    of `sink` [np] in the last column. q [b, np, sq, hn] gives the shapes."""
     b, np_, sq, hn = q.shape
-    ng, sk = k.size(1), k.size(2)
-    if ng != np_:
-        k = k.repeat_interleave(np_ // ng, dim=1)
-        v = v.repeat_interleave(np_ // ng, dim=1)
+    sk = k.size(2)
     zeros = q.new_zeros(b, np_, 1, hn)
     k = torch.cat([k, zeros.to(k.dtype)], dim=2)
     v = torch.cat([v, zeros.to(v.dtype)], dim=2)
@@ -249,4 +245,4 @@ def _with_sink(
     allowed = allowed.expand(-1, np_, sq, sk) if allowed.size(1) == 1 else allowed.expand(-1, -1, sq, sk)
     scores = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
     column = sink.to(q.dtype).reshape(1, np_, 1, 1).expand(scores.size(0), np_, sq, 1)
-    return q, k, v, torch.cat([scores, column], dim=-1)
+    return k, v, torch.cat([scores, column], dim=-1)

@@ -132,7 +132,7 @@ class SpikeMonitoring(Callback):
     def _log_scores(self, step: int) -> None:
         if self._trainer is not None:
             self._trainer.record_summary("spike_score", self.scores.summary())
-            if self.writer is not None:  # the logging rank
+            if self._trainer.logging_rank:
                 self._trainer.record_metric(step, self.scores.scalars())
 
     def _rollback(self, trainer: TrainerView, step: int) -> None:
