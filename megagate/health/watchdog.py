@@ -187,10 +187,15 @@ class Watchdog:
             before = self.channel.records()
             gone = _gone_here(before, self.rank)
             after = before
-            if not gone:  # on another host: a rank whose record stops changing over a few heartbeats
+            if not gone:
+                # on another host: a rank whose record stops changing over a few heartbeats. On this host too: a
+                # killed process closes its sockets before /proc shows it exited, so its pid is checked again.
                 settle = time.monotonic() + 2.5 * self.cfg.heartbeat_s + 0.5
                 while time.monotonic() < settle and self.channel.lost() is None:
-                    time.sleep(self.cfg.heartbeat_s / 4)
+                    time.sleep(min(0.1, self.cfg.heartbeat_s / 4))
+                    gone = _gone_here(before, self.rank)
+                    if gone:
+                        break
                 after = self.channel.records()
             event = self.channel.lost()
             if event is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -69,3 +70,20 @@ def test_a_rank_on_another_host_is_named_when_its_record_stops(tmp_path, capsys)
         "megagate train: error: peer lost: rank 1 (node7) vanished in optimizer of step 9: its progress record "
         "stopped changing (its process or node is gone); the job stops; no checkpoint yet: a rerun starts from scratch"
     )
+
+
+def test_a_rank_still_exiting_when_the_error_arrives_is_named_as_killed(tmp_path, capsys):
+    """A killed process closes its sockets before /proc shows it gone: the survivor's error can arrive while the
+    victim's pid still looks alive. It is looked at again while the records settle (CI saw this race under load)."""
+    victim = subprocess.Popen(["sleep", "60"])
+    cfg = WatchdogConfig(heartbeat_s=1.0)
+    dog = Watchdog(cfg, tmp_path, 0, 2, LAUNCH)
+    dog.channel.create()
+    write(dog.channel.record_path(1), record(1, victim.pid, 5, "forward_backward"))
+    killer = threading.Timer(0.4, lambda: (victim.kill(), victim.wait()))
+    killer.start()
+    started = time.monotonic()
+    assert dog.peer_lost(GLOO, None) == PEER_LOST_EXIT_CODE
+    killer.join()
+    assert time.monotonic() - started < 2.0  # it stopped waiting once the pid was gone
+    assert "vanished in forward_backward of step 5: killed by a signal" in capsys.readouterr().err
