@@ -18,7 +18,7 @@ from megagate.errors import ConfigError
 from megagate.interop import hf, hf_qwen35
 
 transformers = pytest.importorskip("transformers")
-from tests.interop.test_export_import import assert_identical, model_tensors  # noqa: E402
+from tests.interop.test_export_import import _megagate_greedy, assert_identical, model_tensors  # noqa: E402
 from tests.interop.test_export_import import hf_tensors as folder_tensors  # noqa: E402
 from tests.interop.test_hf_logits import model_config  # noqa: E402
 
@@ -80,8 +80,8 @@ def hf_logits(model: torch.nn.Module) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", list(CASES))
 def test_save_pretrained_import_export_round_trip(fmt, tmp_path, megatron_world):
     """transformers' save_pretrained -> import: megagate's logits are transformers'; -> export (the import's format
-    by default): every safetensors tensor identical, `from_pretrained` gives the same logits; -> import again:
-    a bit-identical checkpoint."""
+    by default): every safetensors tensor identical, `from_pretrained` gives the same logits and greedy tokens
+    (generate with its cache); -> import again: a bit-identical checkpoint."""
     from megagate.interop.hf_io import export_checkpoint, import_hf
 
     mc = qwen35_config(fmt)
@@ -103,6 +103,16 @@ def test_save_pretrained_import_export_round_trip(fmt, tmp_path, megatron_world)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2").eval()
     assert type(loaded).__name__ == hf.ARCHITECTURES[fmt]
     exported = (hf_logits(loaded) - megagate_logits(tmp_path / "ck")).abs().max().item()
+
+    # transformers' greedy generate with its cache (the GDN layers' recurrent and conv states, the attention KV)
+    # decodes megagate's greedy tokens (megagate recomputes the whole sequence at each step)
+    from megagate.commands.analyze import load_model_for_analysis
+
+    prompt = [3, 17, 9, 5, 42, 7]
+    with torch.no_grad():
+        generated = loaded.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    ours = _megagate_greedy(load_model_for_analysis(tmp_path / "ck", need_tokenizer=False)[0], prompt, 8)
+    assert generated[0, len(prompt) :].tolist() == ours and len(set(ours)) >= 3, ours
 
     import_hf(tmp_path / "hf2", tmp_path / "ck2", log=str)
     a, b = (model_tensors(tmp_path / c / "iter_0000000", tmp_path) for c in ("ck", "ck2"))
