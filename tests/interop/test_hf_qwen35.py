@@ -246,3 +246,27 @@ def test_formats_refuse_what_qwen35_cannot_hold():
     del config["shared_expert_intermediate_size"]
     with pytest.raises(ConfigError, match="has no 'shared_expert_intermediate_size'"):
         hf.model_config_from_hf(config)
+
+
+def test_multimodal_rope_over_text_positions_is_1d_rope():
+    """Qwen3.5's rotary class (mrope_section [11, 11, 10], interleaved, as the released configs) over text positions
+    gives exactly the cos/sin of Qwen3-Next's 1-D RoPE of the same dims (head 256, partial 0.25, θ 1e7): the reason
+    the mrope keys are read and ignored."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEmbedding
+
+    rope = {"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25}
+    sizes = dict(hidden_size=2048, num_attention_heads=16, head_dim=256, max_position_embeddings=262_144)
+    mrope = {**rope, "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    qwen35 = Qwen3_5TextRotaryEmbedding(transformers.Qwen3_5MoeTextConfig(**sizes, rope_parameters=mrope))
+    qwen3_next = Qwen3NextRotaryEmbedding(transformers.Qwen3NextConfig(**sizes, rope_parameters=rope))
+    x = torch.zeros(1, dtype=torch.float32)
+    positions = torch.arange(0, 200_000, 997).unsqueeze(0)
+    cos, sin = qwen35(x, positions.unsqueeze(0).expand(3, -1, -1))
+    cos_1d, sin_1d = qwen3_next(x, positions)
+    assert cos.shape == cos_1d.shape == (1, positions.shape[1], 64)
+    assert torch.equal(cos, cos_1d) and torch.equal(sin, sin_1d)
+    # the sections do matter once the three rows differ (images): the comparison has teeth
+    moved = positions.unsqueeze(0).expand(3, -1, -1).clone()
+    moved[1] += 5
+    assert not torch.equal(qwen35(x, moved)[0], cos_1d)

@@ -63,12 +63,18 @@ SCALINGS = {
         rope_scaling_high_freq_factor=8.0,  # dims with wavelengths 2..16 tokens smoothed, beyond 16 slowed by 4
     ),
 }
-FORMATS = ("qwen3", "qwen3_next")  # full rotary; partial rotary 0.5 (Qwen3-Next's)
+# full rotary; partial rotary 0.5 (Qwen3-Next's); Qwen3.5's multimodal rotary class over text positions
+FORMATS = ("qwen3", "qwen3_next", "qwen3_5")
 
 
 def scaled_config(fmt: str, scaling: str):
     return model_config(
-        fmt, "4q2kv-hn16", False, max_sequence_length=4 * ORIGINAL, rotary_base=500, **SCALINGS[scaling]
+        "qwen3_next" if fmt == "qwen3_5" else fmt,
+        "4q2kv-hn16",
+        False,
+        max_sequence_length=4 * ORIGINAL,
+        rotary_base=500,
+        **SCALINGS[scaling],
     )
 
 
@@ -108,11 +114,11 @@ def test_scaled_rope_logits_match_transformers_after_export_and_import(megatron_
     mc = scaled_config(fmt, scaling)
     config = hf.hf_config(mc, fmt)
     assert config["rope_parameters"]["rope_type"] == scaling.split("-")[0]
-    assert config["rope_scaling"] == {
-        k: v for k, v in config["rope_parameters"].items() if k not in hf_rope.LEGACY_KEYS
-    }
-    # the 4.x keys and 5.x's rope_parameters are the same model, read alone or together
-    assert hf.model_config_from_hf(as_4x(config)) == hf.model_config_from_hf(as_5x(config))
+    if fmt != "qwen3_5":  # a format transformers 4.x has: its keys too, the same model read alone or together
+        assert config["rope_scaling"] == {
+            k: v for k, v in config["rope_parameters"].items() if k not in hf_rope.LEGACY_KEYS
+        }
+        assert hf.model_config_from_hf(as_4x(config)) == hf.model_config_from_hf(as_5x(config))
 
     # export: megagate's weights in transformers' class built from the exported config.json
     mg = build_gpt_model(mc, transformer_config(mc)).eval()
