@@ -77,6 +77,7 @@ def hf_logits(model: torch.nn.Module) -> torch.Tensor:
     return model(input_ids=ids(), use_cache=False).logits
 
 
+@pytest.mark.slow  # ~15 s: checkpoints written and read four times
 @pytest.mark.parametrize("fmt", list(CASES))
 def test_save_pretrained_import_export_round_trip(fmt, tmp_path, megatron_world):
     """transformers' save_pretrained -> import: megagate's logits are transformers'; -> export (the import's format
@@ -160,6 +161,7 @@ def vision_language_folder(mc, fmt: str, folder: Path) -> torch.nn.Module:
     return native
 
 
+@pytest.mark.slow  # ~8 s: a checkpoint written and exported
 @pytest.mark.parametrize("fmt", list(CASES))
 def test_vision_language_folder_gives_its_text_model(fmt, tmp_path, megatron_world, capsys):
     """The text part is taken, as transformers' AutoModelForCausalLM takes it (Qwen3_5(Moe)ForCausalLM on the same
