@@ -169,6 +169,7 @@ def w(tmp_path_factory) -> dict[str, str]:
         **hf.hf_config(model_preset("tiny", gate=gates.preset("baseline")), "qwen3"),
         "rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
     }
+    del config["rope_parameters"]  # a transformers 4.x config.json
     (d / "hf_dynamic" / "config.json").write_text(json.dumps(config))
     p["hf_dynamic"] = str(d / "hf_dynamic")
     (d / "run_ok").mkdir()

@@ -11,7 +11,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--format",
         default=None,
-        help="qwen3, qwen3_moe, qwen3_next or paper (default: the natural one for the model's gate variant)",
+        help="qwen3, qwen3_moe, qwen3_next, paper, qwen3_5 or qwen3_5_moe (default: the format an import came in, "
+        "else the natural one for the model's gate variant)",
     )
     parser.add_argument(
         "--dtype",

@@ -5,16 +5,23 @@ Formats (FORMATS), each exact for the models it accepts:
     qwen3       Qwen3ForCausalLM      baseline (no gate), dense, QK-norm, plain RMSNorm weights
     qwen3_moe   Qwen3MoeForCausalLM   baseline MoE (softmax router, top-k, norm_topk_prob), every layer MoE
     qwen3_next  Qwen3NextForCausalLM  G1 elementwise sigmoid gate, zero-centred (1 + w) norms, partial rotary;
-                                      every layer "full_attention"; dense through mlp_only_layers = all layers;
-                                      MoE with shared_expert_intermediate_size 0 (see megagate.interop.hf_weights)
+                                      hybrids (layer_types), shared experts with their gate; dense through
+                                      mlp_only_layers = all layers; MoE with shared_expert_intermediate_size 0
+                                      (see megagate.interop.hf_weights)
+    qwen3_5     Qwen3_5ForCausalLM    Qwen3.5's text model (transformers 5): as qwen3_next, dense in every layer
+    qwen3_5_moe Qwen3_5MoeForCausalLM Qwen3.5-MoE's text model: as qwen3_next, MoE in every layer, top-k weights
+                                      always renormalised (norm_topk_prob true)
     paper       the paper's released Qwen3 code (model_type "qwen3" with `elementwise_attn_output_gate` /
                 `headwise_attn_output_gate`, `use_qk_norm`, `qkv_bias`): baseline, G1 elementwise or G1 headwise
                 sigmoid gates, dense only (its decoder layer builds a dense MLP), plain RMSNorm weights
 
-Every format holds RoPE (rope_theta = model.rotary_base) with `rope_scaling` linear, llama3 or yarn
-(megagate.interop.hf_rope); only qwen3_next holds a partial rotary (partial_rotary_factor = rotary_percent).
-Anything else (LayerNorm, other gate variants, two RoPE scalings at once, a baseline without QK-norm outside
-`paper`) is refused in one line naming the field and the formats that can hold the model.
+Every format holds RoPE (rope_theta = model.rotary_base) with linear, llama3 or yarn scaling
+(megagate.interop.hf_rope: transformers 5's `rope_parameters`, and for the formats 4.x has, its `rope_theta` /
+`rope_scaling` too); only the gated formats (qwen3_next, qwen3_5, qwen3_5_moe) hold a partial rotary
+(partial_rotary_factor = rotary_percent). A Qwen3.5 vision-language config.json (`text_config` + `vision_config`,
+`...ForConditionalGeneration`) is read as its text model (`text_model`). Anything else (LayerNorm, other gate
+variants, two RoPE scalings at once, a baseline without QK-norm outside `paper`) is refused in one line naming the
+field and the formats that can hold the model.
 """
 
 from __future__ import annotations
@@ -25,26 +32,43 @@ from collections.abc import Mapping
 from typing import Any
 
 from megagate.errors import ConfigError
-from megagate.interop import hf_rope
+from megagate.interop import hf_qwen35, hf_rope
 from megagate.model import gate as gates
 from megagate.model import hybrid
 from megagate.model.model_config import ModelConfig
 
-FORMATS = ("qwen3", "qwen3_moe", "qwen3_next", "paper")
+FORMATS = ("qwen3", "qwen3_moe", "qwen3_next", "paper", "qwen3_5", "qwen3_5_moe")
 ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "paper": "Qwen3ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
 }
-MODEL_TYPES = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "qwen3_next": "qwen3_next", "paper": "qwen3"}
+MODEL_TYPES = {
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "qwen3_next": "qwen3_next",
+    "paper": "qwen3",
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+}
 # The gates each format can hold, by preset name.
 FORMAT_GATES = {
     "qwen3": ("baseline",),
     "qwen3_moe": ("baseline",),
     "qwen3_next": ("g1-elementwise",),
     "paper": ("baseline", "g1-elementwise", "g1-headwise"),
+    "qwen3_5": ("g1-elementwise",),
+    "qwen3_5_moe": ("g1-elementwise",),
 }
+# Qwen3-Next and Qwen3.5: gated attention, zero-centred norms, partial rotary, Gated DeltaNet layers
+GATED = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+DENSE_ONLY = ("qwen3", "paper", "qwen3_5")
+MOE_ONLY = ("qwen3_moe", "qwen3_5_moe")
+SHARED_EXPERT = ("qwen3_next", "qwen3_5_moe")  # formats whose MoE block has a (gated) shared expert
+QWEN3_5 = ("qwen3_5", "qwen3_5_moe")
 # The paper's config flags: their presence marks a model_type "qwen3" config as the paper's code.
 PAPER_FLAGS = ("elementwise_attn_output_gate", "headwise_attn_output_gate", "use_qk_norm", "qkv_bias")
 
@@ -63,30 +87,33 @@ def _problem(model: ModelConfig, fmt: str) -> str | None:
     if name not in FORMAT_GATES[fmt]:
         variant = name or model.gate.describe()
         return f"gate variant {variant!r} cannot be held by the {fmt} format (it holds {', '.join(FORMAT_GATES[fmt])})"
-    if model.is_moe and fmt in ("qwen3", "paper"):
-        why = "dense only" if fmt == "qwen3" else "dense only: the paper's code builds a dense MLP in every layer"
+    if model.is_moe and fmt in DENSE_ONLY:
+        why = "dense only: the paper's code builds a dense MLP in every layer" if fmt == "paper" else "dense only"
         return f"model.num_experts={model.num_experts}: the {fmt} format is {why}"
-    if not model.is_moe and fmt == "qwen3_moe":
-        return "model.num_experts=0: the qwen3_moe format holds MoE models (use qwen3 for dense)"
+    if not model.is_moe and fmt in MOE_ONLY:
+        dense = "qwen3" if fmt == "qwen3_moe" else "qwen3_5"
+        return f"model.num_experts=0: the {fmt} format holds MoE models (use {dense} for dense)"
     if model.normalization != "RMSNorm":
         return f"model.normalization={model.normalization!r}: the {fmt} format uses RMSNorm"
-    if hybrid.is_hybrid(model) and fmt != "qwen3_next":
+    if hybrid.is_hybrid(model) and fmt not in GATED:
         return f"model.layer_pattern={model.layer_pattern!r}: the {fmt} format has no Gated DeltaNet layers"
     shared = model.moe_shared_expert_intermediate_size
-    if shared and fmt != "qwen3_next":
+    if shared and fmt not in SHARED_EXPERT:
         return f"model.moe_shared_expert_intermediate_size={shared}: the {fmt} format has no shared expert"
     if shared and not model.moe_shared_expert_gate:
-        return "model.moe_shared_expert_gate=false: Qwen3-Next's shared expert always has its sigmoid gate"
-    if fmt == "qwen3_next" and not model.norm_zero_centered:
-        return "model.norm_zero_centered=false: Qwen3-Next's norms are zero-centred (1 + w)"
-    if fmt != "qwen3_next" and model.norm_zero_centered:
+        return f"model.moe_shared_expert_gate=false: the {fmt} format's shared expert always has its sigmoid gate"
+    if fmt == "qwen3_5_moe" and not model.moe_router_norm_topk:
+        return "model.moe_router_norm_topk=false: Qwen3.5-MoE always renormalises the top-k routing weights"
+    if fmt in GATED and not model.norm_zero_centered:
+        return f"model.norm_zero_centered=false: the {fmt} format's norms are zero-centred (1 + w)"
+    if fmt not in GATED and model.norm_zero_centered:
         return f"model.norm_zero_centered=true: the {fmt} format's norms are plain (w)"
     if not model.qk_layernorm and fmt != "paper":
         return f"model.qk_layernorm=false: the {fmt} format always has QK-norm (the paper format does not need it)"
     rope = hf_rope.problem(model)
     if rope is not None:
         return rope
-    if model.rotary_percent != 1.0 and fmt != "qwen3_next":
+    if model.rotary_percent != 1.0 and fmt not in GATED:
         return f"model.rotary_percent={model.rotary_percent!r}: the {fmt} format rotates every head dim"
     return None
 
@@ -120,13 +147,15 @@ def default_format(model: ModelConfig) -> str:
 
 
 def hf_config(model: ModelConfig, fmt: str) -> dict[str, Any]:
-    """config.json content of `model` in `fmt` (every field the HF class reads, float32)."""
+    """config.json content of `model` in `fmt` (every field the HF class reads, float32): transformers 5's
+    `rope_parameters` and `dtype`; the formats transformers 4.x has also keep its `rope_theta` / `rope_scaling` (and
+    Qwen3-Next's `partial_rotary_factor`), the same values."""
     check_exportable(model, fmt)
     layers = model.num_layers
     config: dict[str, Any] = dict(
         architectures=[ARCHITECTURES[fmt]],
         model_type=MODEL_TYPES[fmt],
-        torch_dtype="float32",
+        dtype="float32",
         vocab_size=model.vocab_size,
         hidden_size=model.hidden_size,
         intermediate_size=model.ffn_hidden_size if model.is_moe else model.effective_ffn_hidden_size,
@@ -140,11 +169,27 @@ def hf_config(model: ModelConfig, fmt: str) -> dict[str, Any]:
         rms_norm_eps=model.norm_epsilon,
         use_cache=True,
         tie_word_embeddings=model.tie_embeddings,
-        rope_theta=float(model.rotary_base),
-        rope_scaling=hf_rope.to_hf(model),
+        rope_parameters=hf_rope.parameters(model, partial=fmt in GATED),
         attention_bias=False,
         attention_dropout=0.0,
     )
+    if fmt not in QWEN3_5:  # transformers 4.x's keys (5.x reads them as rope_parameters)
+        config.update(rope_theta=float(model.rotary_base), rope_scaling=hf_rope.to_hf(model))
+    if fmt in QWEN3_5:
+        config.update(
+            layer_types=hybrid.layer_types(model), **{name: getattr(model, name) for name in hybrid.GDN_FIELDS}
+        )
+    if fmt == "qwen3_5_moe":
+        del config["intermediate_size"]  # Qwen3.5-MoE has no dense MLP
+        config.update(
+            num_experts=model.num_experts,
+            num_experts_per_tok=model.moe_router_topk,
+            moe_intermediate_size=model.moe_ffn_hidden_size,
+            # 0 without a shared expert: zero-size tensors whose output is exactly 0 (megagate.interop.hf_weights)
+            shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+            output_router_logits=False,
+            router_aux_loss_coef=model.moe_aux_loss_coeff,
+        )
     if fmt in ("qwen3", "paper"):
         config.update(
             use_sliding_window=False,
@@ -192,14 +237,17 @@ def hf_config(model: ModelConfig, fmt: str) -> dict[str, Any]:
 # --- config.json -> ModelConfig ------------------------------------------------------------------------------------
 def _detect_format(config: Mapping[str, Any]) -> str:
     model_type = config.get("model_type")
+    text_formats = {MODEL_TYPES[fmt]: fmt for fmt in QWEN3_5}
     if model_type == "qwen3":
         fmt = "paper" if any(flag in config for flag in PAPER_FLAGS) else "qwen3"
     elif model_type in ("qwen3_moe", "qwen3_next"):
         fmt = model_type
+    elif model_type in text_formats:
+        fmt = text_formats[model_type]
     else:
         raise ConfigError(
-            f"config.json model_type={model_type!r} is not one megagate reads (qwen3, qwen3_moe, qwen3_next, and the "
-            "paper's qwen3 with attn_output_gate flags)"
+            f"config.json model_type={model_type!r} is not one megagate reads (qwen3, qwen3_moe, qwen3_next, "
+            "qwen3_5(_moe)(_text), and the paper's qwen3 with attn_output_gate flags)"
         )
     architectures = config.get("architectures") or [ARCHITECTURES[fmt]]
     if list(architectures) != [ARCHITECTURES[fmt]]:
@@ -244,26 +292,43 @@ def _int_theta(theta: Any) -> int:
     return int(theta)
 
 
+def _num_experts(config: Mapping[str, Any]) -> int:
+    """config.json's expert count: `num_experts`, or `num_local_experts` (what transformers 5 writes for Qwen3-MoE,
+    its attribute_map's name for num_experts); both present must agree."""
+    names = [key for key in ("num_experts", "num_local_experts") if config.get(key) is not None]
+    values = {int(config[key]) for key in names}
+    if len(values) > 1:
+        raise ConfigError(f"config.json num_experts={config['num_experts']!r} and num_local_experts disagree")
+    return values.pop() if values else 0
+
+
 def _layer_pattern(config: Mapping[str, Any], fmt: str, layers: int) -> str:
     """The layer pattern of config.json's `layer_types` (Qwen3-Next without one: its `full_attention_interval`,
-    default 4, as transformers reads it); Gated DeltaNet layers only in qwen3_next."""
+    default 4, as transformers reads it); Gated DeltaNet layers only in the gated formats."""
     if "layer_types" in config:
         pattern = hybrid.pattern_from_layer_types(list(config["layer_types"]))
         if len(pattern) != layers:
             raise ConfigError(f"config.json layer_types has {len(pattern)} entries, num_hidden_layers is {layers}")
-    elif fmt == "qwen3_next":
+    elif fmt in GATED:
         pattern = hybrid.interval_pattern(layers, int(config.get("full_attention_interval", 4)))
     else:
         pattern = hybrid.ATTENTION * layers
-    if hybrid.GDN in pattern and fmt != "qwen3_next":
+    if hybrid.GDN in pattern and fmt not in GATED:
         raise ConfigError(f"config.json layer_types has ['linear_attention']: the {fmt} format has no such layers")
     return pattern
 
 
 def model_config_from_hf(config: Mapping[str, Any]) -> tuple[ModelConfig, str]:
     """The megagate ModelConfig of a config.json, and its format; a one-line ConfigError for what megagate cannot
-    hold exactly. Dense models get match_baseline_params=False (intermediate_size is the FFN width built)."""
+    hold exactly. Dense models get match_baseline_params=False (intermediate_size is the FFN width built). A Qwen3.5
+    vision-language config.json is read as its text model (megagate.interop.hf_qwen35)."""
+    if hf_qwen35.is_vision_language(config):
+        config = hf_qwen35.text_model(config)
     fmt = _detect_format(config)
+    rope = hf_rope.legacy_view(config, ignore=hf_rope.MROPE_KEYS if fmt in QWEN3_5 else ())
+    partial = rope.get("partial_rotary_factor", 0.25 if fmt in GATED else 1.0)
+    if fmt not in GATED and partial != 1.0:
+        raise ConfigError(f"config.json partial_rotary_factor={partial!r}: the {fmt} format rotates every head dim")
     layers = _positive_int(config, "num_hidden_layers")
     _refuse(config, "hidden_act", "silu", "SwiGLU with SiLU only")
     _refuse(config, "attention_bias", False, "no biases")
@@ -277,18 +342,18 @@ def model_config_from_hf(config: Mapping[str, Any]) -> tuple[ModelConfig, str]:
         num_attention_heads=_positive_int(config, "num_attention_heads"),
         num_query_groups=_positive_int(config, "num_key_value_heads"),
         head_dim=_positive_int(config, "head_dim"),
-        ffn_hidden_size=_positive_int(config, "intermediate_size"),
+        ffn_hidden_size=_positive_int(config, "moe_intermediate_size" if fmt == "qwen3_5_moe" else "intermediate_size"),
         vocab_size=_positive_int(config, "vocab_size"),
         max_sequence_length=_positive_int(config, "max_position_embeddings"),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qk_layernorm=True,
         normalization="RMSNorm",
-        rotary_base=_int_theta(_required(config, "rope_theta")),
+        rotary_base=_int_theta(_required(rope, "rope_theta")),
         norm_epsilon=_positive_float(config, "rms_norm_eps"),
         init_method_std=_positive_float(config, "initializer_range", 0.02),
         match_baseline_params=False,
         gate=gates.preset("baseline"),
-        **hf_rope.from_hf(config),
+        **hf_rope.from_hf(rope, name=hf_rope.source(config)),
     )
     if fmt == "paper":
         elementwise = bool(config.get("elementwise_attn_output_gate", False))
@@ -299,17 +364,15 @@ def model_config_from_hf(config: Mapping[str, Any]) -> tuple[ModelConfig, str]:
         values["qk_layernorm"] = bool(config.get("use_qk_norm", True))
         if elementwise or headwise:
             values["gate"] = gates.preset("g1-elementwise" if elementwise else "g1-headwise")
-    if fmt == "qwen3_next":
-        values.update(
-            gate=gates.preset("g1-elementwise"),
-            norm_zero_centered=True,
-            rotary_percent=float(config.get("partial_rotary_factor", 0.25)),
-        )
+    if fmt in GATED:
+        if isinstance(partial, bool) or not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+            raise ConfigError(f"config.json partial_rotary_factor={partial!r} must be a number in (0, 1]")
+        values.update(gate=gates.preset("g1-elementwise"), norm_zero_centered=True, rotary_percent=float(partial))
         if hybrid.GDN in pattern:
             values["layer_pattern"] = pattern
             values.update({name: int(_required(config, name)) for name in hybrid.GDN_FIELDS})
     if fmt in ("qwen3_moe", "qwen3_next"):
-        experts = int(config.get("num_experts", 0) or 0)
+        experts = _num_experts(config)
         mlp_only = list(config.get("mlp_only_layers") or [])
         dense = experts == 0 or (fmt == "qwen3_next" and mlp_only == list(range(layers)))
         if fmt == "qwen3_moe" and dense:
@@ -330,17 +393,31 @@ def model_config_from_hf(config: Mapping[str, Any]) -> tuple[ModelConfig, str]:
             shared = int(config.get("shared_expert_intermediate_size", 0) or 0) if fmt == "qwen3_next" else 0
             if shared:  # Qwen3-Next's shared expert always has its sigmoid gate
                 values.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+    if fmt == "qwen3_5_moe":  # every layer MoE with a gated shared expert; the top-k weights always renormalised
+        values.update(
+            num_experts=_positive_int(config, "num_experts"),
+            moe_router_topk=_positive_int(config, "num_experts_per_tok"),
+            moe_ffn_hidden_size=_positive_int(config, "moe_intermediate_size"),
+            moe_router_norm_topk=True,
+            moe_aux_loss_coeff=float(config.get("router_aux_loss_coef", 1e-3)),
+        )
+        shared = _required(config, "shared_expert_intermediate_size")
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ConfigError(f"config.json shared_expert_intermediate_size={shared!r} must be an integer >= 0")
+        if shared:
+            values.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
     model = ModelConfig(**values)
     check_exportable(model, fmt)
     return model, fmt
 
 
 def same_architecture(a: ModelConfig, b: ModelConfig) -> bool:
-    """Whether two ModelConfigs build the same model (FFN compared as built, training-only fields ignored)."""
+    """Whether two ModelConfigs build the same model (dense FFN compared as built, training-only fields ignored)."""
     ignore = {"match_baseline_params", "ffn_multiple", "ffn_hidden_size", "init_method_std", "moe_aux_loss_coeff",
               "moe_z_loss_coeff", "moe_load_balancing", "recompute_granularity", "recompute_method",
               "recompute_num_layers"}  # fmt: skip
     fields = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ignore]
+    # a MoE model builds no dense MLP: its dense width (absent from a Qwen3.5-MoE config.json) does not count
     return all(getattr(a, f) == getattr(b, f) for f in fields) and (
-        a.effective_ffn_hidden_size == b.effective_ffn_hidden_size
+        a.is_moe or a.effective_ffn_hidden_size == b.effective_ffn_hidden_size
     )

@@ -157,15 +157,21 @@ def read_hf_folder(hf_dir: str | os.PathLike, fmt: str | None = None) -> tuple[A
             tensors.update(load_file(str(file)))
         except (SafetensorError, OSError, ValueError) as exc:
             raise MegagateError(f"{file}: not a readable safetensors file ({exc})") from None
-    mtp = sorted(k for k in tensors if k.startswith("mtp.")) if detected == "qwen3_next" else []
-    if mtp:
-        # the released Qwen3-Next checkpoints carry a multi-token-prediction head that transformers does not build
-        # either; megagate trains the main model only, and an export of it has no mtp.* tensors
-        from megagate.console import warn
+    from megagate.console import warn
+    from megagate.interop import hf_qwen35
 
+    if hf_qwen35.is_vision_language(config):
+        # a Qwen3.5 vision-language folder: its text model, as transformers' Qwen3_5ForCausalLM loads it
+        tensors, dropped = hf_qwen35.text_tensors(tensors)
+        parts = ", ".join(f"{n} tensors of {what}" for what, n in dropped.items()) or "no other tensors"
         warn(
-            f"{folder}: dropped {len(mtp)} mtp.* tensors (Qwen3-Next's MTP head, not built by megagate or transformers)"
+            f"{folder}: a {config['model_type']} vision-language folder: took its text model ({detected}), dropped {parts}"
         )
+    mtp = sorted(k for k in tensors if k.startswith("mtp.")) if detected in hf.GATED else []
+    if mtp:
+        # the released Qwen3-Next / Qwen3.5 checkpoints carry a multi-token-prediction head that transformers does not
+        # build either; megagate trains the main model only, and an export of it has no mtp.* tensors
+        warn(f"{folder}: dropped {len(mtp)} mtp.* tensors (the MTP head, not built by megagate or transformers)")
         tensors = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
     state = hf.from_hf_state_dict(model_cfg, detected, tensors)
     return model_cfg, detected, state

@@ -89,14 +89,16 @@ def export_checkpoint(
     known_format(fmt)
     out = check_out(out, force)
     path, meta, cfg = read_checkpoint(source)
-    fmt = _check_format(cfg.model, fmt)  # an unknown format or a variant no format holds: before the model loads
+    # an unknown format or a variant no format holds: before the model loads. Without --format, an import goes back
+    # out in the format it came in (a Qwen3.5 folder as Qwen3.5, not as the first format that holds it)
+    fmt = _check_format(cfg.model, fmt or _imported_format(meta, cfg.model))
     model, *_ = load_whole_model(path)  # verifies and safety-scans first
     tensors = hf.to_hf_state_dict(cfg.model, fmt, model_state(model))
     config = dict(hf.hf_config(cfg.model, fmt))
-    config["torch_dtype"] = dtype
+    config["dtype"] = dtype
     if fmt == "qwen3_next" and "linear_attention" not in config["layer_types"]:
-        # transformers 4.57.3's Qwen3NextDynamicCache looks up the last linear-attention layer and fails when every
-        # layer is full attention: such a folder must run without a KV cache (forward and generate), by default
+        # transformers' Qwen3-Next cache looks up the last linear-attention layer and fails when every layer is full
+        # attention (4.57.3; kept for 5.x readers, untested there): such a folder runs without a KV cache by default
         config["use_cache"] = False
     with atomic_dir(out) as tmp:
         write_safetensors(tmp, {k: v.to(DTYPES[dtype]) for k, v in tensors.items()}, shard_bytes)
@@ -119,6 +121,14 @@ def export_checkpoint(
         )
     log(f"exported {path} (step {step}) as {fmt} ({dtype}) to {out}; tokenizer: {tok_note}")
     return out
+
+
+def _imported_format(meta: Mapping[str, Any], model: Any) -> str | None:
+    """The format a checkpoint written by `megagate import` came from, when that format still holds the model."""
+    from megagate.interop import hf
+
+    fmt = (meta.get("imported_from") or {}).get("format")
+    return fmt if fmt in hf.formats_for(model) else None
 
 
 def _check_format(model: Any, fmt: str | None) -> str:

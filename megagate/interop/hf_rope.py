@@ -1,8 +1,12 @@
 """RoPE scaling between a megagate ModelConfig and a Hugging Face config.json's `rope_scaling`, both ways.
 
-transformers 4.57 computes a model's rotary table from `rope_scaling` with `ROPE_INIT_FUNCTIONS[rope_type]`, in
-every class megagate exports to (Qwen3, Qwen3-MoE, Qwen3-Next; the paper's code is Qwen3's). The types megatron can
-build, and their megagate fields:
+transformers computes a model's rotary table with `ROPE_INIT_FUNCTIONS[rope_type]`, in every class megagate exports
+to (Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5; the paper's code is Qwen3's). transformers 5 holds the settings in one
+`rope_parameters` object (`rope_type`, `rope_theta`, `partial_rotary_factor` and the scaling's keys), 4.x in the
+top-level `rope_scaling`, `rope_theta` and `partial_rotary_factor`; 5.x reads both. `parameters` writes the 5.x
+object, `legacy_view` reads either (both present must agree) as the 4.x keys, which `from_hf` converts. Qwen3.5's
+`mrope_section` / `mrope_interleaved` (multimodal RoPE) are ignored: with text positions its three position rows are
+equal and the table is the 1-D RoPE of the same dims. The types megatron can build, and their megagate fields:
 
     linear   factor                                   rotary_interpolation_factor (positions / f = θ / f)
     llama3   factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
@@ -98,6 +102,40 @@ def to_hf(model: ModelConfig) -> dict[str, Any] | None:
     return None
 
 
+LEGACY_KEYS = ("rope_scaling", "rope_theta", "partial_rotary_factor")
+MROPE_KEYS = ("mrope_section", "mrope_interleaved")
+
+
+def parameters(model: ModelConfig, partial: bool) -> dict[str, Any]:
+    """transformers 5's `rope_parameters` of `model` (with `partial_rotary_factor` for formats that hold one)."""
+    out: dict[str, Any] = {**(to_hf(model) or {"rope_type": "default"}), "rope_theta": float(model.rotary_base)}
+    if partial:
+        out["partial_rotary_factor"] = model.rotary_percent
+    return out
+
+
+def legacy_view(config: Mapping[str, Any], ignore: tuple[str, ...] = ()) -> dict[str, Any]:
+    """config.json's RoPE settings as the 4.x keys (`rope_scaling`, `rope_theta`, `partial_rotary_factor`, those
+    present), read from transformers 5's `rope_parameters` or the 4.x keys; both present must agree. `ignore`: keys
+    of `rope_parameters` that do not change the table (Qwen3.5's mrope keys)."""
+    legacy = {key: config[key] for key in LEGACY_KEYS if key in config}
+    params = config.get("rope_parameters")
+    if params is None:
+        return legacy
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"config.json rope_parameters={params!r} must be an object or null")
+    if any(isinstance(v, Mapping) for v in params.values()):
+        raise ConfigError("config.json rope_parameters holds one per layer type: megagate builds one RoPE for all")
+    params = {k: v for k, v in params.items() if k not in ignore}
+    view = {key: params.pop(key) for key in ("rope_theta", "partial_rotary_factor") if key in params}
+    kind = params.get("rope_type", params.get("type", "default"))
+    view["rope_scaling"] = None if kind == "default" and set(params) <= {"rope_type", "type"} else params
+    for key, value in legacy.items():
+        if value is not None and key in view and value != view[key]:
+            raise ConfigError(f"config.json {key}={value!r} and rope_parameters ({view[key]!r}) disagree")
+    return {**legacy, **view}
+
+
 def _number(scaling: Mapping[str, Any], key: str, *, integer: bool = False, minimum: float | None = None) -> Any:
     value = scaling[key]
     kind = int if integer else (int, float)
@@ -113,8 +151,23 @@ def _required(scaling: Mapping[str, Any], key: str, rope_type: str) -> None:
         raise ConfigError(f"config.json rope_scaling has no {key!r} (rope_type {rope_type} needs it)")
 
 
-def from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The ModelConfig position fields of config.json's `rope_scaling` ({} for none / "default")."""
+def source(config: Mapping[str, Any]) -> str:
+    """Where config.json holds its RoPE scaling: transformers 5's `rope_parameters` or 4.x's `rope_scaling`."""
+    return "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
+
+
+def from_hf(config: Mapping[str, Any], name: str = "rope_scaling") -> dict[str, Any]:
+    """The ModelConfig position fields of config.json's `rope_scaling` ({} for none / "default"); `name`: the key
+    the messages name (`rope_parameters` for a `legacy_view` of a 5.x config)."""
+    try:
+        return _from_hf(config)
+    except ConfigError as exc:
+        if name == "rope_scaling":
+            raise
+        raise ConfigError(str(exc).replace("config.json rope_scaling", f"config.json {name}")) from None
+
+
+def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
     scaling = config.get("rope_scaling")
     if scaling is None:
         return {}

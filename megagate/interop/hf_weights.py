@@ -18,7 +18,15 @@ the expected vs given shape, never wrong weights.
     decoder.final_layernorm.weight                    model.norm.weight
     output_layer.weight (untied only)                 lm_head.weight (untied only: a tied model has none)
 
-Qwen3-Next MoE always builds a shared expert; megagate's MoE has none. It is represented exactly by
+Qwen3.5's Gated DeltaNet layers project with `linear_attn.in_proj_{qkv,z,b,a}` (megagate.interop.hf_qwen35), Qwen3-Next's
+with `in_proj_qkvz` / `in_proj_ba` (megagate.interop.hf_hybrid).
+
+Experts are written as transformers writes them to disk (`save_pretrained`, 4.x and 5.x alike, and the Hub's
+checkpoints): one tensor per expert, `mlp.experts.E.{gate,up,down}_proj.weight`. transformers 5 holds them fused in
+memory (`mlp.experts.gate_up_proj` [E, 2f, h], `mlp.experts.down_proj` [E, h, f], converted on load and save); a
+state dict in that layout is read too (`unfuse_experts`), and `fuse_experts` gives it (for `load_state_dict`).
+
+Qwen3-Next's and Qwen3.5-MoE's MoE block always builds a shared expert; megagate's MoE may have none. It is represented exactly by
 shared_expert_intermediate_size 0: `shared_expert.{gate,up}_proj.weight` [0, h] and `down_proj.weight` [h, 0] are
 zero-size (their output is exactly 0, so `sigmoid(shared_expert_gate(x)) * 0` adds nothing), and
 `shared_expert_gate.weight` [1, h] is written as zeros; reading requires exactly that (zeros), so HF -> megagate ->
@@ -33,8 +41,8 @@ import torch
 from torch import Tensor
 
 from megagate.errors import ConfigError
-from megagate.interop import hf_hybrid
-from megagate.interop.hf_config import check_exportable, gate_name
+from megagate.interop import hf_hybrid, hf_qwen35
+from megagate.interop.hf_config import GATED, QWEN3_5, SHARED_EXPERT, check_exportable, gate_name
 from megagate.model import hybrid, qkv_layout
 from megagate.model.model_config import ModelConfig
 
@@ -96,6 +104,13 @@ def _mlp_pairs(mg: str, hf: str) -> list[tuple[str, str]]:
     return [(mg + "linear_fc2.weight", hf + "down_proj.weight")]
 
 
+def _gdn_projection_shapes(model: ModelConfig, fmt: str) -> dict[str, Shape]:
+    """A GDN layer's input projections in `fmt` (keys after `model.layers.N.`)."""
+    if fmt in QWEN3_5:
+        return {hf_hybrid.HF + k: s for k, s in hf_qwen35.projection_shapes(model).items()}
+    return hf_hybrid.hf_gdn_projection_shapes(model)
+
+
 def _direct_pairs(model: ModelConfig) -> list[tuple[str, str]]:
     """(megagate key, HF key) of every tensor copied unchanged."""
     pairs = [("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
@@ -144,7 +159,7 @@ def _fc1_pairs(model: ModelConfig) -> list[tuple[str, str]]:
 
 def _shared_expert_shapes(model: ModelConfig, fmt: str) -> dict[str, Shape]:
     """Qwen3-Next's zero-size shared expert of a MoE model without one (see the module docstring)."""
-    if fmt != "qwen3_next" or not model.is_moe or model.moe_shared_expert_intermediate_size:
+    if fmt not in SHARED_EXPERT or not model.is_moe or model.moe_shared_expert_intermediate_size:
         return {}
     h, shapes = model.hidden_size, {}
     for i in range(model.num_layers):
@@ -164,7 +179,7 @@ def hf_shapes(model: ModelConfig, fmt: str) -> dict[str, Shape]:
     _, q_rows = _qkv_rows(model, fmt)
     kv = (model.num_query_groups * model.head_dim, model.hidden_size)
     for i in _layers(model, hybrid.GDN):
-        shapes.update({f"model.layers.{i}.{k}": s for k, s in hf_hybrid.hf_gdn_projection_shapes(model).items()})
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in _gdn_projection_shapes(model, fmt).items()})
     for i in _layers(model, hybrid.ATTENTION):
         q = f"model.layers.{i}.self_attn."
         shapes[q + "q_proj.weight"] = (q_rows, model.hidden_size)
@@ -201,7 +216,7 @@ def _qkv_converters(model: ModelConfig, fmt: str) -> tuple[Callable, Callable]:
     name = gate_name(model.gate)
     if name == "baseline":
         return (lambda w: qkv_layout.to_qwen3(w, n, g, d)), (lambda q, k, v: qkv_layout.from_qwen3(q, k, v, n, g, d))
-    if fmt == "qwen3_next":
+    if fmt in GATED:  # Qwen3-Next's and Qwen3.5's q_proj: per head [q; gate]
         return (
             lambda w: qkv_layout.to_qwen3_next(w, n, g, d),
             lambda q, k, v: qkv_layout.from_qwen3_next(q, k, v, n, g, d),
@@ -225,9 +240,12 @@ def to_hf_state_dict(model: ModelConfig, fmt: str, state: Mapping[str, Tensor]) 
     out = {hf: _owned(state[key]) for key, hf in _direct_pairs(model)}
     split_qkv, _ = _qkv_converters(model, fmt)
     for i in _layers(model, hybrid.GDN):
-        qkvz, ba = hf_hybrid.in_proj_to_hf(model, state[f"decoder.layers.{i}.self_attention.in_proj.weight"])
-        out[f"model.layers.{i}.linear_attn.in_proj_qkvz.weight"] = qkvz
-        out[f"model.layers.{i}.linear_attn.in_proj_ba.weight"] = ba
+        in_proj, prefix = state[f"decoder.layers.{i}.self_attention.in_proj.weight"], f"model.layers.{i}.linear_attn."
+        if fmt in QWEN3_5:
+            out.update({prefix + k: t for k, t in hf_qwen35.in_proj_to_hf(model, in_proj).items()})
+            continue
+        qkvz, ba = hf_hybrid.in_proj_to_hf(model, in_proj)
+        out[prefix + "in_proj_qkvz.weight"], out[prefix + "in_proj_ba.weight"] = qkvz, ba
     for i in _layers(model, hybrid.ATTENTION):
         q_proj, k_proj, v_proj = split_qkv(state[f"decoder.layers.{i}.self_attention.linear_qkv.weight"])
         prefix = f"model.layers.{i}.self_attn."
@@ -247,7 +265,7 @@ def from_hf_state_dict(model: ModelConfig, fmt: str, tensors: Mapping[str, Tenso
     """HF tensors of `fmt` -> the megagate GPTModel tensors `load_state_dict(strict=False)` needs (all but
     `_extra_state`). A tied model's lm_head.weight may be present only as an exact copy of the embedding."""
     check_exportable(model, fmt)
-    tensors = dict(tensors)
+    tensors = unfuse_experts(tensors)
     if model.tie_embeddings and "lm_head.weight" in tensors:
         head, embed = tensors.pop("lm_head.weight"), tensors.get("model.embed_tokens.weight")
         if embed is None or head.shape != embed.shape or not torch.equal(head, embed):
@@ -263,13 +281,61 @@ def from_hf_state_dict(model: ModelConfig, fmt: str, tensors: Mapping[str, Tenso
     out = {key: _owned(tensors[hf]) for key, hf in _direct_pairs(model)}
     _, fuse_qkv = _qkv_converters(model, fmt)
     for i in _layers(model, hybrid.GDN):
-        prefix = f"model.layers.{i}.linear_attn."
+        prefix, key = f"model.layers.{i}.linear_attn.", f"decoder.layers.{i}.self_attention.in_proj.weight"
+        if fmt in QWEN3_5:
+            out[key] = hf_qwen35.in_proj_from_hf(
+                {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+            )
+            continue
         qkvz, ba = tensors[prefix + "in_proj_qkvz.weight"], tensors[prefix + "in_proj_ba.weight"]
-        out[f"decoder.layers.{i}.self_attention.in_proj.weight"] = hf_hybrid.in_proj_from_hf(model, qkvz, ba)
+        out[key] = hf_hybrid.in_proj_from_hf(model, qkvz, ba)
     for i in _layers(model, hybrid.ATTENTION):
         prefix = f"model.layers.{i}.self_attn."
         q, k, v = (tensors[prefix + f"{name}_proj.weight"] for name in ("q", "k", "v"))
         out[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = _owned(fuse_qkv(q, k, v))
     for key, prefix in _fc1_pairs(model):
         out[key] = torch.cat([tensors[prefix + "gate_proj.weight"], tensors[prefix + "up_proj.weight"]], dim=0)
+    return out
+
+
+_FUSED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def unfuse_experts(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """transformers 5's in-memory expert layout (`mlp.experts.gate_up_proj` [E, 2f, h] = [gate; up] per expert,
+    `mlp.experts.down_proj` [E, h, f]) -> one tensor per expert, as on disk; other tensors unchanged."""
+    out: dict[str, Tensor] = {}
+    for key, tensor in tensors.items():
+        fused = next((f for f in _FUSED if key.endswith(f)), None)
+        if fused is None:
+            out[key] = tensor
+            continue
+        prefix = key[: -len(fused)] + ".mlp.experts."
+        if tensor.dim() != 3 or (fused == _FUSED[0] and tensor.shape[1] % 2):
+            raise ConfigError(f"HF tensors: {key} has shape {tuple(tensor.shape)}, not [experts, rows, columns]")
+        for e, w in enumerate(tensor.unbind(0)):
+            if fused == _FUSED[0]:
+                gate, up = torch.chunk(w, 2, dim=0)
+                out[prefix + f"{e}.gate_proj.weight"], out[prefix + f"{e}.up_proj.weight"] = _owned(gate), _owned(up)
+            else:
+                out[prefix + f"{e}.down_proj.weight"] = _owned(w)
+    return out
+
+
+def fuse_experts(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """One tensor per expert -> transformers 5's in-memory layout (the inverse of `unfuse_experts`)."""
+    out: dict[str, Tensor] = {}
+    experts: dict[str, dict[int, dict[str, Tensor]]] = {}
+    for key, tensor in tensors.items():
+        head, sep, tail = key.partition(".mlp.experts.")
+        index, _, name = tail.partition(".")
+        if not sep or not index.isdigit() or name not in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+            out[key] = tensor
+            continue
+        experts.setdefault(head, {}).setdefault(int(index), {})[name] = tensor
+    for head, per_expert in experts.items():
+        order = [per_expert[e] for e in sorted(per_expert)]
+        gate_up = [torch.cat([p["gate_proj.weight"], p["up_proj.weight"]], dim=0) for p in order]
+        out[head + _FUSED[0]] = torch.stack(gate_up)
+        out[head + _FUSED[1]] = torch.stack([p["down_proj.weight"] for p in order])
     return out

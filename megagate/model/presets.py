@@ -13,6 +13,7 @@ from megagate.sections import did_you_mean
 
 # --- presets -------------------------------------------------------------------------------------------------------
 QWEN_VOCAB = 151_936
+QWEN35_VOCAB = 248_320
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The paper's Table 7.
@@ -71,6 +72,60 @@ PRESETS: dict[str, dict[str, Any]] = {
         moe_shared_expert_intermediate_size=512,
         moe_shared_expert_gate=True,
         layer_pattern="GGG*" * 12,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+    ),
+    # Qwen3.5's published text-model shapes (the text_config of the released config.json files; gate g1-elementwise,
+    # zero-centred norms, partial rotary 0.25 of 256 dims, RoPE theta 1e7, vocabulary 248,320 untied, Gated DeltaNet in
+    # three layers of four). The vision encoder and the MTP head are not built (megagate imports the text model).
+    # Qwen3.5-27B (dense): 64 layers, hidden 5120, 24 query heads in 4 KV groups, FFN 17,408, GDN 16 key / 48 value
+    # heads of 128. 26.90 B parameters (published "27B", the whole vision-language model).
+    "qwen3.5-27b": dict(
+        num_layers=64,
+        hidden_size=5120,
+        num_attention_heads=24,
+        num_query_groups=4,
+        head_dim=256,
+        ffn_hidden_size=17_408,
+        match_baseline_params=False,  # the published FFN width, gate included
+        vocab_size=QWEN35_VOCAB,
+        max_sequence_length=262_144,
+        tie_embeddings=False,
+        rotary_base=10_000_000,
+        rotary_percent=0.25,
+        norm_zero_centered=True,
+        layer_pattern="GGG*" * 16,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+    ),
+    # Qwen3.5-35B-A3B (MoE): 40 layers, hidden 2048, 16 query heads in 2 KV groups, GDN 16 key / 32 value heads of
+    # 128, 256 experts of 512 (top 8, renormalised) + a gated shared expert of 512 in every layer. 34.66 B parameters,
+    # 3.45 B active per token (published "35B in total and 3B activated", the whole vision-language model).
+    "qwen3.5-35b-a3b": dict(
+        num_layers=40,
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_query_groups=2,
+        head_dim=256,
+        ffn_hidden_size=512,
+        vocab_size=QWEN35_VOCAB,
+        max_sequence_length=262_144,
+        tie_embeddings=False,
+        rotary_base=10_000_000,
+        rotary_percent=0.25,
+        norm_zero_centered=True,
+        num_experts=256,
+        moe_router_topk=8,
+        moe_ffn_hidden_size=512,
+        moe_shared_expert_intermediate_size=512,
+        moe_shared_expert_gate=True,
+        layer_pattern="GGG*" * 10,
         linear_num_key_heads=16,
         linear_num_value_heads=32,
         linear_key_head_dim=128,

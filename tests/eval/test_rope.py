@@ -201,12 +201,18 @@ def _hf_rope(rope_scaling: dict | None, head_dim: int = 16, partial: float = 1.0
     from transformers import Qwen3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    # transformers 5: every RoPE setting in one rope_parameters object
+    parameters = {**(rope_scaling or {"rope_type": "default"}), "rope_theta": base, "partial_rotary_factor": partial}
     config = Qwen3Config(
-        head_dim=head_dim, hidden_size=64, num_attention_heads=4, rope_theta=base, max_position_embeddings=100_000
-    )
-    config.rope_scaling = rope_scaling
-    config.partial_rotary_factor = partial
-    return ROPE_INIT_FUNCTIONS[(rope_scaling or {}).get("rope_type", "default")](config, "cpu")
+        head_dim=head_dim, hidden_size=64, num_attention_heads=4, max_position_embeddings=100_000,
+        rope_parameters=parameters,
+    )  # fmt: skip
+    if rope_scaling is None:  # transformers 5 computes the plain table in the model's own rotary class (Qwen3-Next's
+        # reads partial_rotary_factor)
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEmbedding
+
+        return Qwen3NextRotaryEmbedding.compute_default_rope_parameters(config)
+    return ROPE_INIT_FUNCTIONS[rope_scaling["rope_type"]](config, "cpu")
 
 
 def test_llama3_default_original_is_megatrons_own(megatron_world):

@@ -56,7 +56,7 @@ def transformers_folder(model_cfg, fmt: str, folder: Path, seed: int = 0) -> Pat
     values = dict(hf.hf_config(model_cfg, fmt))
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():  # transformers' init leaves norms at 1 (or 0): perturb every tensor
             p.add_(torch.randn_like(p) * 0.05)
@@ -103,7 +103,7 @@ def test_hf_megagate_hf_is_identical(case, tmp_path, megatron_world):
     assert len(a) >= 8
     assert_identical(a, b)
     exported = json.loads((tmp_path / "hf2" / "config.json").read_text())
-    assert exported["torch_dtype"] == "float32"
+    assert exported["dtype"] == "float32"
 
 
 # --- from a trained checkpoint -----------------------------------------------------------------------------------

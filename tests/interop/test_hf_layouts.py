@@ -100,8 +100,12 @@ def test_converters_refuse_wrong_shapes_in_one_line():
 def test_formats_for_each_variant():
     assert hf.formats_for(_model()) == ["qwen3", "paper"]
     assert hf.default_format(_model(**MOE)) == "qwen3_moe" and hf.formats_for(_model(**MOE)) == ["qwen3_moe"]
-    assert hf.formats_for(_model("g1-elementwise", norm_zero_centered=True)) == ["qwen3_next"]
-    assert hf.formats_for(_model("g1-elementwise", norm_zero_centered=True, **MOE)) == ["qwen3_next"]
+    assert hf.formats_for(_model("g1-elementwise", norm_zero_centered=True)) == ["qwen3_next", "qwen3_5"]
+    assert hf.formats_for(_model("g1-elementwise", norm_zero_centered=True, **MOE)) == ["qwen3_next", "qwen3_5_moe"]
+    # Qwen3.5-MoE always renormalises the top-k routing weights
+    assert hf.formats_for(_model("g1-elementwise", norm_zero_centered=True, **MOE, moe_router_norm_topk=False)) == [
+        "qwen3_next"
+    ]
     assert hf.formats_for(_model("g1-elementwise")) == ["paper"]  # plain norms: the paper's code
     assert hf.default_format(_model("g1-headwise")) == "paper"
     assert hf.formats_for(_model(qk_layernorm=False)) == ["paper"]
@@ -182,7 +186,7 @@ def test_yarn_original_context_is_written_explicitly():
 def test_config_round_trip(gate, fmt, overrides):
     model = _model(gate, **overrides)
     config = hf.hf_config(model, fmt)
-    assert config["torch_dtype"] == "float32" and config["architectures"] == [hf.ARCHITECTURES[fmt]]
+    assert config["dtype"] == "float32" and config["architectures"] == [hf.ARCHITECTURES[fmt]]
     back, detected = hf.model_config_from_hf(config)
     assert detected == fmt and hf.same_architecture(back, model)
     assert back.effective_ffn_hidden_size == model.effective_ffn_hidden_size  # the FFN as built (gated: shrunk)
@@ -192,7 +196,8 @@ def test_config_round_trip(gate, fmt, overrides):
 @pytest.mark.parametrize(
     ("fmt", "change", "name"),
     [
-        ("qwen3", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic'"),
+        ("qwen3", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling"),
+        ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters.rope_type='dynamic'"),
         ("qwen3", {"hidden_act": "gelu"}, "hidden_act"),
         ("qwen3", {"rope_theta": 10000.5}, "rope_theta"),
         ("qwen3", {"model_type": "llama"}, "model_type"),

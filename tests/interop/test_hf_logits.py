@@ -131,14 +131,16 @@ def build_hf(mc: ModelConfig, fmt: str) -> torch.nn.Module:
 
 
 def load_hf(model: torch.nn.Module, tensors: dict, tied: bool) -> None:
-    result = model.load_state_dict(tensors, strict=not tied)
+    """Tensors as on disk (one per expert) into transformers' module (5.x: experts fused in memory)."""
+    result = model.load_state_dict(hf.fuse_experts(tensors), strict=not tied)
     if tied:  # HF's tied models hold lm_head as the embedding itself; no separate tensor is written
         assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def hf_tensors(model: torch.nn.Module, tied: bool) -> dict:
-    state = dict(model.state_dict())
+    """transformers' module's tensors as on disk (one per expert; what `save_pretrained` writes)."""
+    state = hf.unfuse_experts(model.state_dict())
     if tied:
         state.pop("lm_head.weight")
     return state

@@ -15,7 +15,7 @@ import torch
 
 from megagate.cli import main
 from megagate.errors import ConfigError
-from megagate.interop import hf
+from megagate.interop import hf, hf_rope
 from megagate.model.build import build_gpt_model, transformer_config
 
 from .test_hf_logits import (
@@ -63,12 +63,18 @@ SCALINGS = {
         rope_scaling_high_freq_factor=8.0,  # dims with wavelengths 2..16 tokens smoothed, beyond 16 slowed by 4
     ),
 }
-FORMATS = ("qwen3", "qwen3_next")  # full rotary; partial rotary 0.5 (Qwen3-Next's)
+# full rotary; partial rotary 0.5 (Qwen3-Next's); Qwen3.5's multimodal rotary class over text positions
+FORMATS = ("qwen3", "qwen3_next", "qwen3_5")
 
 
 def scaled_config(fmt: str, scaling: str):
     return model_config(
-        fmt, "4q2kv-hn16", False, max_sequence_length=4 * ORIGINAL, rotary_base=500, **SCALINGS[scaling]
+        "qwen3_next" if fmt == "qwen3_5" else fmt,
+        "4q2kv-hn16",
+        False,
+        max_sequence_length=4 * ORIGINAL,
+        rotary_base=500,
+        **SCALINGS[scaling],
     )
 
 
@@ -84,6 +90,16 @@ def max_logit_diff(mg: torch.nn.Module, model: torch.nn.Module, length: int) -> 
     return (ours - theirs).abs().max().item()
 
 
+def as_4x(config: dict) -> dict:
+    """A transformers 4.x config.json of the same model: `rope_scaling` / `rope_theta`, no `rope_parameters`."""
+    return {k: v for k, v in config.items() if k != "rope_parameters"}
+
+
+def as_5x(config: dict) -> dict:
+    """A transformers 5 config.json (what its save_pretrained writes): `rope_parameters` only."""
+    return {k: v for k, v in config.items() if k not in hf_rope.LEGACY_KEYS}
+
+
 def _hf_attention_factor(model: torch.nn.Module) -> float:
     return float(model.model.rotary_emb.attention_scaling)
 
@@ -97,7 +113,12 @@ def _megatron_attention_factor(mg: torch.nn.Module) -> float:
 def test_scaled_rope_logits_match_transformers_after_export_and_import(megatron_world, fmt, scaling):
     mc = scaled_config(fmt, scaling)
     config = hf.hf_config(mc, fmt)
-    assert config["rope_scaling"]["rope_type"] == scaling.split("-")[0]
+    assert config["rope_parameters"]["rope_type"] == scaling.split("-")[0]
+    if fmt != "qwen3_5":  # a format transformers 4.x has: its keys too, the same model read alone or together
+        assert config["rope_scaling"] == {
+            k: v for k, v in config["rope_parameters"].items() if k not in hf_rope.LEGACY_KEYS
+        }
+        assert hf.model_config_from_hf(as_4x(config)) == hf.model_config_from_hf(as_5x(config))
 
     # export: megagate's weights in transformers' class built from the exported config.json
     mg = build_gpt_model(mc, transformer_config(mc)).eval()
@@ -145,11 +166,11 @@ def test_an_explicit_attention_factor_is_imported_exactly(megatron_world):
     """transformers uses `attention_factor` as given: the import finds the mscale whose megatron factor is exactly
     that float, and the export writes it back unchanged; logits agree at 4x."""
     mc = scaled_config("qwen3", "yarn")
-    config = hf.hf_config(mc, "qwen3")
-    config["rope_scaling"]["attention_factor"] = 1.2345
+    config = as_5x(hf.hf_config(mc, "qwen3"))
+    config["rope_parameters"]["attention_factor"] = 1.2345
     back, _ = hf.model_config_from_hf(config)
     assert back.yarn_mscale_all_dim == 0.0 and back.yarn_mscale != 1.0
-    assert hf.hf_config(back, "qwen3")["rope_scaling"]["attention_factor"] == 1.2345
+    assert hf.hf_config(back, "qwen3")["rope_parameters"]["attention_factor"] == 1.2345
     native = build_hf(back, "qwen3")
     perturb_hf(native, seed=3)
     assert _hf_attention_factor(native) == 1.2345
@@ -162,7 +183,7 @@ def test_an_explicit_attention_factor_is_imported_exactly(megatron_world):
 def test_a_lone_mscale_is_dropped_as_transformers_drops_it():
     """transformers ignores mscale without mscale_all_dim (0.1 ln s + 1): the import does the same."""
     mc = scaled_config("qwen3", "yarn")
-    config = hf.hf_config(mc, "qwen3")
+    config = as_4x(hf.hf_config(mc, "qwen3"))
     config["rope_scaling"]["mscale"] = 0.707
     back, _ = hf.model_config_from_hf(config)
     assert (back.yarn_mscale, back.yarn_mscale_all_dim) == (1.0, 0.0)
@@ -190,12 +211,30 @@ def test_a_lone_mscale_is_dropped_as_transformers_drops_it():
         ("yarn", "must be an object or null"),
     ],
 )
-def test_rope_scaling_that_megagate_cannot_hold_is_one_line(scaling, message):
+@pytest.mark.parametrize("version", ["4.x", "5.x"])
+def test_rope_scaling_that_megagate_cannot_hold_is_one_line(scaling, message, version):
     config = hf.hf_config(scaled_config("qwen3", "yarn"), "qwen3")
-    config["rope_scaling"] = scaling
+    if version == "4.x":  # rope_scaling
+        config = as_4x(config)
+        config["rope_scaling"] = scaling
+    else:  # the same settings in rope_parameters, named so in the message
+        config = as_5x(config)
+        config["rope_parameters"] = {**scaling, "rope_theta": 10_000.0} if isinstance(scaling, dict) else scaling
+        message = message.replace("rope_scaling", "rope_parameters")
+        if not isinstance(scaling, dict):
+            message = "rope_parameters='yarn' must be an object or null"
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as info:
         hf.model_config_from_hf(config)
     assert "\n" not in str(info.value)
+
+
+def test_4x_and_5x_rope_keys_that_disagree_are_refused():
+    config = hf.hf_config(scaled_config("qwen3_next", "yarn"), "qwen3_next")
+    for key, value in (("rope_theta", 500_000.0), ("partial_rotary_factor", 1.0)):
+        with pytest.raises(ConfigError, match=f"config.json {key}=.* and rope_parameters .* disagree"):
+            hf.model_config_from_hf({**config, key: value})
+    with pytest.raises(ConfigError, match="rope_scaling=.* and rope_parameters .* disagree"):
+        hf.model_config_from_hf({**config, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
 
 
 def test_two_scalings_at_once_are_refused_by_export(tmp_path, megatron_world, capsys):

@@ -369,8 +369,8 @@ def test_trainer_preset_sets_submit_expert_count(tmp_path: Path, monkeypatch, ca
         ),
         (
             [str(config), "--nodes", "8", "--gpus-per-node", "8", "model.preset=nope"],
-            "model preset 'nope' is unknown; known presets: 1.7b-28l, 1.7b-48l, 15a2b-moe, qwen3-next-80b-a3b, tiny, tiny-moe, "
-            "tiny-hybrid",
+            "model preset 'nope' is unknown; known presets: 1.7b-28l, 1.7b-48l, 15a2b-moe, qwen3-next-80b-a3b, "
+            "qwen3.5-27b, qwen3.5-35b-a3b, tiny, tiny-moe, tiny-hybrid",
         ),
     ]
     for argv, message in cases:
