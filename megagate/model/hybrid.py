@@ -10,9 +10,36 @@ Qwen3-Next and Qwen3.5. `None` (the default) is all attention: today's models. H
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from megagate.errors import ConfigError
 
-# `ModelConfig` is named in the hints only: megagate.model.model_config imports this module for its checks
+
+class HybridFields(Protocol):
+    """The ModelConfig fields these functions read (model_config imports this module for its checks, so the
+    class itself cannot be imported here, not even for the hints)."""
+
+    @property
+    def layer_pattern(self) -> str | None: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def linear_num_key_heads(self) -> int: ...
+    @property
+    def linear_num_value_heads(self) -> int: ...
+    @property
+    def linear_key_head_dim(self) -> int: ...
+    @property
+    def linear_value_head_dim(self) -> int: ...
+    @property
+    def linear_conv_kernel_dim(self) -> int: ...
+    @property
+    def moe_shared_expert_intermediate_size(self) -> int: ...
+    @property
+    def moe_shared_expert_gate(self) -> bool: ...
+
 
 ATTENTION, GDN = "*", "G"
 SYMBOLS = {ATTENTION: "gated attention", GDN: "Gated DeltaNet"}
@@ -42,25 +69,25 @@ def pattern_from_layer_types(types: list[str]) -> str:
     return "".join(inverse[t] for t in types)
 
 
-def layer_types(model: ModelConfig) -> list[str]:  # noqa: F821
+def layer_types(model: HybridFields) -> list[str]:
     """The model's layers as config.json `layer_types`."""
     return [HF_LAYER_TYPES[s] for s in pattern(model)]
 
 
-def pattern(model: ModelConfig) -> str:  # noqa: F821
+def pattern(model: HybridFields) -> str:
     """The layer pattern in force (all attention when `layer_pattern` is None)."""
     return model.layer_pattern or ATTENTION * model.num_layers
 
 
-def is_hybrid(model: ModelConfig) -> bool:  # noqa: F821
+def is_hybrid(model: HybridFields) -> bool:
     return GDN in pattern(model)
 
 
-def attention_layers(model: ModelConfig) -> int:  # noqa: F821
+def attention_layers(model: HybridFields) -> int:
     return pattern(model).count(ATTENTION)
 
 
-def check_pattern(model: ModelConfig) -> None:  # noqa: F821
+def check_pattern(model: HybridFields) -> None:
     """The layer pattern and the GDN sizes as one-line ConfigErrors."""
     p = model.layer_pattern
     if p is None:
@@ -86,7 +113,7 @@ def check_pattern(model: ModelConfig) -> None:  # noqa: F821
         )
 
 
-def check_gdn_parallel(model: ModelConfig, tp: int, cp: int) -> None:  # noqa: F821
+def check_gdn_parallel(model: HybridFields, tp: int, cp: int) -> None:
     """What megatron's GatedDeltaNet can split: whole key heads (hence value heads) per TP rank; no CP here."""
     if not is_hybrid(model):
         return
@@ -102,7 +129,7 @@ def check_gdn_parallel(model: ModelConfig, tp: int, cp: int) -> None:  # noqa: F
         )
 
 
-def gdn_parameter_count(model: ModelConfig) -> int:  # noqa: F821
+def gdn_parameter_count(model: HybridFields) -> int:
     """Parameters of one Gated DeltaNet mixer: in_proj (q, k, v, z, beta, alpha), the depthwise conv over q/k/v,
     A_log and dt_bias per value head, the per-head output norm, out_proj."""
     h = model.hidden_size
@@ -113,7 +140,7 @@ def gdn_parameter_count(model: ModelConfig) -> int:  # noqa: F821
     return h * (2 * qk + 2 * v + 2 * nv) + conv + 2 * nv + model.linear_value_head_dim + v * h
 
 
-def shared_expert_parameter_count(model: ModelConfig) -> int:  # noqa: F821
+def shared_expert_parameter_count(model: HybridFields) -> int:
     """Parameters of one MoE layer's shared expert (SwiGLU) and its sigmoid gate."""
     size = model.moe_shared_expert_intermediate_size
     return 3 * model.hidden_size * size + (model.hidden_size if model.moe_shared_expert_gate else 0)
