@@ -7,7 +7,7 @@ fields (which metric a mapping may name, which bounds a number has) calls `read_
 checked keywords before it builds itself; bounds of one field stay in the class's `__post_init__`.
 
 Used by `megagate.run_config` (every training-config section), `megagate.health.config`,
-`megagate.monitor.spike`'s section and `megagate.frontier.state`; it sits at the bottom layer so every layer can.
+`megagate.monitor.spike`'s section, `megagate.frontier.state` and `megagate.plan.profile` (the device profiles); it sits at the bottom layer so every layer can.
 Every refusal is a one-line `ConfigError` naming the key path and what is allowed.
 """
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megagate.errors import ConfigError
+from megagate.sections import as_mapping, check_choice, read_fields
 
 SCHEMA = 1
 KINDS = ("gpu", "cpu")
@@ -105,7 +106,7 @@ class Host:
     per_layer: float  # one transformer layer, forward + backward, per micro-batch (attention + dense MLP)
     per_layer_gate: float  # what an attention-output gate adds to a layer
     per_layer_moe: float  # what a MoE block adds to a layer over a dense MLP (router, dispatcher)
-    per_expert: float  # per local expert and layer, when experts run one by one (megatron's SequentialMLP)
+    per_expert: float = 0.0  # per local expert and layer, when experts run one by one (megatron's SequentialMLP)
     per_layer_step: float = 0.0  # per layer and step (the optimizer's per-tensor work)
     moe_sync: float = 0.0
     serial: bool = False
@@ -291,132 +292,89 @@ def load(path: str) -> DeviceProfile:
 
 
 def from_dict(data: Any) -> DeviceProfile:
-    """A profile from `to_dict`'s data, every field checked (a ConfigError names the first bad one)."""
-    if not isinstance(data, dict):
-        raise ConfigError("a device profile is a JSON object")
-    if data.get("schema") != SCHEMA:
-        raise ConfigError(f"schema {data.get('schema')!r} is not {SCHEMA} (re-run megagate calibrate)")
-    kind = _get(data, "kind", str)
-    if kind not in KINDS:
-        raise ConfigError(f"kind={kind!r} is not one of {', '.join(KINDS)}")
-    gemm = {k: _curve(v, f"gemm.{k}") for k, v in _get(data, "gemm", dict).items()}
-    if not gemm or set(gemm) - set(PRECISIONS):
-        raise ConfigError(f"gemm must have curves for some of {', '.join(PRECISIONS)} (has {sorted(gemm)})")
-    attention = {k: _attention(v, f"attention.{k}") for k, v in _get(data, "attention", dict).items()}
-    if not attention or set(attention) - set(ATTENTION_KERNELS):
+    """A profile from `to_dict`'s data: each of its dataclasses read by `sections.read_fields` (unknown keys, types),
+    then every number's bound and the rules across fields (a ConfigError names the first bad one)."""
+    data = as_mapping(data, "a device profile")
+    schema = data.pop("schema", None)
+    if schema != SCHEMA:
+        raise ConfigError(f"schema {schema!r} is not {SCHEMA} (re-run megagate calibrate)")
+    nested = {name: data.pop(name, None) for name in _NESTED}
+    profile = _read(DeviceProfile, data, PATH)
+    check_choice(profile["kind"], KINDS, f"{PATH}.kind")
+    gemm = _curves(Curve, nested["gemm"], "gemm", PRECISIONS)
+    if not gemm:
+        raise ConfigError(f"gemm must have curves for some of {', '.join(PRECISIONS)} (has none)")
+    attention = _curves(AttentionCurve, nested["attention"], "attention", ATTENTION_KERNELS)
+    if not attention:
         raise ConfigError(f"attention must have curves for some of {', '.join(ATTENTION_KERNELS)}")
-    grouped = data.get("grouped_gemm") or {}
-    if not isinstance(grouped, dict) or set(grouped) - set(PRECISIONS):
-        raise ConfigError(f"grouped_gemm must map some of {', '.join(PRECISIONS)} to curves")
-    host = _get(data, "host", dict)
-    host_fields = {f.name for f in dataclasses.fields(Host)}
-    if set(host) - host_fields:
-        raise ConfigError(f"host.{sorted(set(host) - host_fields)[0]} is not a host overhead")
-    host_values = {
-        name: (_get(host, name, bool, "host.") if name == "serial" else _number(host, name, "host.", zero=True))
-        for name in host_fields
-        if name in host or name in ("per_step", "per_microbatch", "per_layer", "per_layer_gate", "per_layer_moe")
-    }
-    if "per_expert" not in host_values:
-        host_values["per_expert"] = 0.0
-    ranks = data.get("local_ranks") or {}
-    if not isinstance(ranks, dict) or not all(
+    if profile.get("dispatch_compute_share", 0.0) >= 1:
+        raise ConfigError(f"dispatch_compute_share={profile['dispatch_compute_share']!r} must be a share in [0, 1)")
+    threads = profile.get("threads")
+    if threads is not None and threads < 1:
+        raise ConfigError(f"threads={threads!r} must be a positive integer (or null)")
+    _gpu_name(profile.get("gpu"))
+    ranks = profile.pop("local_ranks", {})
+    if not all(
         isinstance(v, dict) and {"compute", "host"} <= set(v) and all(_positive(v[x]) for x in ("compute", "host"))
         for v in ranks.values()
     ):
         raise ConfigError('local_ranks must map a rank count to {"compute": factor, "host": factor} (positive)')
-    threads = data.get("threads")
-    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
-        raise ConfigError(f"threads={threads!r} must be a positive integer (or null)")
     return DeviceProfile(
-        name=_get(data, "name", str),
-        kind=kind,
-        memory_bytes=int(_number(data, "memory_bytes")),
+        **profile,
         gemm=gemm,
-        grouped_gemm={k: _curve(v, f"grouped_gemm.{k}") for k, v in grouped.items()},
+        grouped_gemm=_curves(Curve, nested["grouped_gemm"] or {}, "grouped_gemm", PRECISIONS),
         attention=attention,
-        memory_bandwidth=_number(data, "memory_bandwidth"),
-        intra=_link(_get(data, "intra", dict), "intra"),
-        inter=_link(_get(data, "inter", dict), "inter"),
-        host=Host(**host_values),
-        gpu=_gpu_name(data.get("gpu")),
-        nvlink_domain=int(_number(data, "nvlink_domain")) if "nvlink_domain" in data else 8,
-        alltoall_efficiency=_number(data, "alltoall_efficiency") if "alltoall_efficiency" in data else 1.0,
-        overlap_efficiency=_number(data, "overlap_efficiency") if "overlap_efficiency" in data else 1.0,
-        dispatch_compute_share=_share(data, "dispatch_compute_share"),
-        cache_bandwidth=_number(data, "cache_bandwidth") if data.get("cache_bandwidth") is not None else None,
-        cache_bytes=int(_number(data, "cache_bytes", zero=True)) if "cache_bytes" in data else 0,
-        threads=threads,
+        intra=Link(**_read(Link, nested["intra"], f"{PATH}.intra")),
+        inter=Link(**_read(Link, nested["inter"], f"{PATH}.inter")),
+        host=Host(**_read(Host, nested["host"], f"{PATH}.host")),
         local_ranks={str(k): {"compute": float(v["compute"]), "host": float(v["host"])} for k, v in ranks.items()},
-        gemm_scale=_number(data, "gemm_scale") if "gemm_scale" in data else 1.0,
-        attention_scale=_number(data, "attention_scale") if "attention_scale" in data else 1.0,
-        work_scale=_number(data, "work_scale") if "work_scale" in data else 1.0,
-        source=str(data.get("source", "")),
-        samples=data.get("samples") if isinstance(data.get("samples"), dict) else {},
     )
+
+
+PATH = "profile"  # the key paths of the refusals: profile.gemm.bf16.rate
+_NESTED = ("gemm", "grouped_gemm", "attention", "intra", "inter", "host")
+# numbers that may be 0; every other number of a profile is positive
+_ZERO_OK = {"half", "latency", "score_bytes", "cache_bytes", "dispatch_compute_share"} | {
+    f.name for f in dataclasses.fields(Host)
+}
+
+
+_INTS = {"memory_bytes", "cache_bytes", "nvlink_domain", "threads"}
+
+
+def _read(cls: type, values: Any, path: str) -> dict:
+    """The keywords of one of the profile's dataclasses: `read_fields`, every required field present, each number
+    finite and positive (or >= 0 where `_ZERO_OK`)."""
+    if values is None:
+        raise ConfigError(f"{path} is missing")
+    values = as_mapping(values, path)
+    for name in _INTS & set(values):  # JSON writers may give a byte count as 8e10
+        if isinstance(values[name], float) and values[name].is_integer():
+            values[name] = int(values[name])
+    kw = read_fields(cls, values, path)
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and f.name not in kw and f.name not in _NESTED:
+            raise ConfigError(f"{path}.{f.name} is missing")
+        value = kw.get(f.name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            zero = f.name in _ZERO_OK
+            if not (value >= 0 if zero else value > 0):
+                need = "a finite number >= 0" if zero else "a positive finite number"
+                raise ConfigError(f"{path}.{f.name}={value!r} must be {need}")
+    return kw
+
+
+def _curves(cls: type, values: Any, name: str, allowed: tuple[str, ...]) -> dict:
+    """A mapping of curves by precision or kernel (only `allowed` keys)."""
+    values = as_mapping(values, f"{PATH}.{name}")
+    if set(values) - set(allowed):
+        raise ConfigError(f"{name} must have curves for some of {', '.join(allowed)} (has {sorted(values)})")
+    return {k: cls(**_read(cls, v, f"{PATH}.{name}.{k}")) for k, v in values.items()}
 
 
 def _positive(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
-
-
-def _get(data: dict, key: str, kind: type, prefix: str = "") -> Any:
-    if key not in data:
-        raise ConfigError(f"{prefix}{key} is missing")
-    value = data[key]
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise ConfigError(f"{prefix}{key}={value!r} must be a {kind.__name__}")
-    return value
-
-
-def _share(data: dict, key: str) -> float:
-    """A share in [0, 1), 0 when absent."""
-    if key not in data:
-        return 0.0
-    value = _number(data, key, zero=True)
-    if value >= 1:
-        raise ConfigError(f"{key}={value!r} must be a share in [0, 1)")
-    return value
-
-
-def _number(data: dict, key: str, prefix: str = "", zero: bool = False) -> float:
-    value = data.get(key)
-    ok = (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and (value >= 0 if zero else value > 0)
-    )
-    if not ok:
-        need = "a finite number >= 0" if zero else "a positive finite number"
-        raise ConfigError(f"{prefix}{key}={value!r} must be {need}")
-    return float(value)
-
-
-def _curve(data: Any, where: str) -> Curve:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be an object with rate, half, latency")
-    return Curve(
-        _number(data, "rate", where + "."),
-        _number(data, "half", where + ".", zero=True),
-        _number(data, "latency", where + ".", zero=True),
-    )
-
-
-def _attention(data: Any, where: str) -> AttentionCurve:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be an object with rate, latency, backward")
-    return AttentionCurve(
-        _number(data, "rate", where + "."),
-        _number(data, "latency", where + ".", zero=True),
-        _number(data, "backward", where + ".") if "backward" in data else 2.5,
-        _get(data, "causal_skip", bool, where + ".") if "causal_skip" in data else True,
-        _number(data, "score_bytes", where + ".", zero=True) if "score_bytes" in data else 0.0,
-    )
-
-
-def _link(data: dict, where: str) -> Link:
-    return Link(_number(data, "latency", where + ".", zero=True), _number(data, "bandwidth", where + "."))
 
 
 def _gpu_name(value: Any) -> str | None:
