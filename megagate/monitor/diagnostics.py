@@ -45,6 +45,7 @@ from megagate.monitor.attention_math import (  # re-exported: the diagnostics' m
     log_z,
     softmax_scale,
 )
+from megagate.monitor.tensorboard import Histogram
 
 SPARSE_BELOW = 0.1  # the paper's sparsity threshold on gate scores
 HIST_BINS = 20
@@ -382,10 +383,9 @@ def to_scalars(diags: list[LayerDiagnostics], prefix: str = "diag") -> dict[str,
     return out
 
 
-def log_to_tensorboard(writer: Any, step: int, diags: list[LayerDiagnostics], prefix: str = "diag") -> None:
+def to_metrics(diags: list[LayerDiagnostics], prefix: str = "diag") -> dict[str, float | Histogram]:
     """Scalars of `to_scalars` plus one gate-score histogram per gated layer (fixed [0, 1] bins when bounded)."""
-    for tag, value in to_scalars(diags, prefix).items():
-        writer.add_scalar(tag, value, step)
+    out: dict[str, float | Histogram] = dict(to_scalars(diags, prefix))
     for d in diags:
         if d.gate_hist_counts is None:
             continue
@@ -394,19 +394,18 @@ def log_to_tensorboard(writer: Any, step: int, diags: list[LayerDiagnostics], pr
         total = sum(counts)
         if total <= 0:
             continue
-        # add_histogram_raw takes the bin right edges and counts; sum/sum_squares from the bin centres
+        # sum/sum_squares from the bin centres
         centres = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:])]
-        writer.add_histogram_raw(
-            f"{prefix}/layer_{d.layer:02d}/gate_scores",
+        out[f"{prefix}/layer_{d.layer:02d}/gate_scores"] = Histogram(
             min=d.gate_min,
             max=d.gate_max,
             num=total,
             sum=sum(c * x for c, x in zip(counts, centres)),
             sum_squares=sum(c * x * x for c, x in zip(counts, centres)),
-            bucket_limits=edges[1:],
-            bucket_counts=counts,
-            global_step=step,
+            bucket_limits=list(edges[1:]),
+            bucket_counts=list(counts),
         )
+    return out
 
 
 def records(step: int, diags: list[LayerDiagnostics]) -> list[dict[str, Any]]:

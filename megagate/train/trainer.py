@@ -36,6 +36,7 @@ from megagate.console import log
 from megagate.data.prefetch import StepPrefetcher
 from megagate.errors import MegagateError
 from megagate.health import progress
+from megagate.monitor.tensorboard import Metric
 from megagate.run_setup import RunSetup
 from megagate.train import components as parts
 from megagate.train import resume as resume_checks
@@ -217,7 +218,7 @@ class Trainer:
         """The first callback of this type, or None."""
         return next((cb for cb in self.callbacks if isinstance(cb, kind)), None)
 
-    def record_metric(self, step: int, metrics: Mapping[str, float | str]) -> None:
+    def record_metric(self, step: int, metrics: Mapping[str, Metric]) -> None:
         """Metrics of `step` (numbers, or text) for the loggers: every callback's `log_metrics` hook gets them."""
         for cb in self.callbacks:
             cb.log_metrics(self, step, metrics)

@@ -8,6 +8,7 @@ import torch
 
 from helpers import tiny_model
 from megagate.monitor import diagnostics as D
+from megagate.monitor import tensorboard
 
 SEQ = 24
 
@@ -163,7 +164,7 @@ def test_sparse_scores_histogram_and_tensorboard(megatron_world, tmp_path):
     assert scalars["diag/layer_01/gate_score"] == diags[1].gate_score_mean
     assert diags[0].attn_map.shape == (SEQ, SEQ) and torch.allclose(diags[0].attn_map.sum(-1), torch.ones(SEQ))
     writer = SummaryWriter(str(tmp_path))
-    D.log_to_tensorboard(writer, 7, diags)
+    tensorboard.write(writer, 7, D.to_metrics(diags))
     writer.close()
     acc = EventAccumulator(str(tmp_path), size_guidance={"histograms": 0, "scalars": 0})
     acc.Reload()

@@ -16,7 +16,7 @@ import torch
 
 from helpers import trainer_jobs
 from megagate.errors import ConfigError, MegagateError
-from megagate.monitor import runfiles
+from megagate.monitor import runfiles, tensorboard
 from megagate.monitor.events import EventLog
 from megagate.monitor.faults import Fault, FaultInjector
 from megagate.monitor.settings import MonitorConfig
@@ -390,7 +390,7 @@ def test_event_log_jsonl_and_tensorboard(tmp_path):
 
     monitor = SpikeMonitor(SpikeMonitorConfig(action="warn"))
     writer = SummaryWriter(str(tmp_path / "tb"))
-    log = EventLog(tmp_path / "events.jsonl", writer)
+    log = EventLog(tmp_path / "events.jsonl", lambda step, metrics: tensorboard.write(writer, step, metrics))
     for step in range(1, 40):
         log.write(monitor.observe(step, {"loss": 3.0 + 0.02 * (step % 3), "grad_norm": 1.0 + 0.05 * (step % 2)}))
     log.write(monitor.observe(40, {"loss": 30.0, "grad_norm": math.nan}))

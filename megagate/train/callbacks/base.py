@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from megagate.monitor.tensorboard import Metric
 from megagate.run_config import TrainConfig
 from megagate.train.step_values import HostReads, StepLog, StepValues
 
 if TYPE_CHECKING:
     from megagate.checkpoint import Checkpointer
-    from megagate.distributed.layout import Layout
     from megagate.train.components import Components
 
 VALID_LOSS = "valid/loss"  # the metric name of a validation loss: MetricsLogger writes it as the validation line
@@ -115,9 +115,7 @@ class TrainerView(Protocol):
     """What a callback may read and do of the running Trainer (megagate.train.trainer.Trainer)."""
 
     cfg: TrainConfig
-    components: Components  # model chunks, optimizer, datasets, layout
-    layout: Layout
-    model: list  # this rank's model chunks (unwrapped)
+    components: Components  # this rank's model chunks (unwrapped: `.model`), optimizer, datasets, `.layout`
     checkpointer: Checkpointer
     logging_rank: bool  # this rank writes the run files
     step: int  # completed steps
@@ -140,9 +138,7 @@ class TrainerView(Protocol):
 
     def seek(self, samples: int) -> None: ...
 
-    def callback(self, kind: type) -> Any: ...
-
-    def record_metric(self, step: int, metrics: Mapping[str, float | str]) -> None: ...
+    def record_metric(self, step: int, metrics: Mapping[str, Metric]) -> None: ...
 
     def record_summary(self, key: str, value: Any) -> None: ...
 
@@ -188,7 +184,7 @@ class Callback:
     def on_close(self, trainer: TrainerView) -> None:
         pass
 
-    def log_metrics(self, trainer: TrainerView, step: int, metrics: Mapping[str, float | str]) -> None:
+    def log_metrics(self, trainer: TrainerView, step: int, metrics: Mapping[str, Metric]) -> None:
         pass
 
     def state_dict(self) -> dict[str, Any]:

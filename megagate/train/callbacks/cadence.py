@@ -21,14 +21,14 @@ def evaluate(trainer: TrainerView) -> float:
     start = time.perf_counter()
     cfg = trainer.cfg
     data = parts.loader(cfg, trainer.components.valid_data, 0)
-    for chunk in trainer.model:
+    for chunk in trainer.components.model:
         chunk.eval()
     losses = []
     with torch.no_grad(), progress.within("evaluation"):
         for _ in range(cfg.train.eval_iters):
-            batches = [next(data) for _ in range(trainer.layout.num_microbatches)]
+            batches = [next(data) for _ in range(trainer.components.layout.num_microbatches)]
             losses.append(trainer.forward_backward(batches, forward_only=True))
-    for chunk in trainer.model:
+    for chunk in trainer.components.model:
         chunk.train()
     values = read_global_losses(trainer.reads, losses)
     trainer.side_time += time.perf_counter() - start  # not training time (MetricsLogger's step_time)

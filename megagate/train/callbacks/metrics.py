@@ -13,7 +13,8 @@ import torch
 from megagate.console import log
 from megagate.files import write_atomic
 from megagate.model.counts import flops_per_token
-from megagate.monitor import runfiles
+from megagate.monitor import runfiles, tensorboard
+from megagate.monitor.tensorboard import Metric
 from megagate.train.callbacks.base import VALID_LOSS, Callback, StepOutput, TrainerView
 from megagate.train.metric_writer import Metrics
 from megagate.train.step_values import stacked
@@ -27,8 +28,8 @@ MOE_LOSS_NAMES = {
 
 class MetricsLogger(Callback):
     """Writes config.yaml, then a train line every logging.interval steps, the last step of the run and the step
-    a callback stopped it at. Owns the TensorBoard writer other callbacks log to (`writer`, None when off), so it
-    starts before them.
+    a callback stopped it at. Owns the TensorBoard writer (`writer`, None when off): the other callbacks' metrics
+    reach it through `trainer.record_metric` and its `log_metrics` (they never hold the writer). It starts first.
 
     Values are read on the host at those steps only (one read for every step since the last one); `step_time` is
     the wall time since the last line per step, evaluations and checkpoint saves left out (on a GPU, what the
@@ -63,7 +64,7 @@ class MetricsLogger(Callback):
             t.train_steps,
             t.global_batch_size * t.seq_length,
             flops_per_token(cfg.model, t.seq_length),
-            trainer.layout.world_size,
+            trainer.components.layout.world_size,
             resumed_at=trainer.step,
             precision=t.precision,
         )
@@ -98,16 +99,13 @@ class MetricsLogger(Callback):
         if self.metrics is not None:
             self.metrics.validation(step, loss)
 
-    def log_metrics(self, trainer: TrainerView, step: int, metrics: Mapping[str, float | str]) -> None:
-        """What the callbacks record (`trainer.record_metric`): VALID_LOSS is the validation line; any other number
-        a TensorBoard scalar, any text a TensorBoard text (nothing without TensorBoard)."""
-        for name, value in metrics.items():
-            if name == VALID_LOSS:
-                self.validation(step, float(value))
-            elif self.writer is not None and isinstance(value, str):
-                self.writer.add_text(name, value, step)
-            elif self.writer is not None:
-                self.writer.add_scalar(name, value, step)
+    def log_metrics(self, trainer: TrainerView, step: int, metrics: Mapping[str, Metric]) -> None:
+        """What the callbacks record (`trainer.record_metric`): VALID_LOSS is the validation line; the rest go to
+        TensorBoard (`monitor.tensorboard.write`: scalars, texts, histograms; nothing without TensorBoard)."""
+        if VALID_LOSS in metrics:
+            self.validation(step, float(metrics[VALID_LOSS]))
+        if self.writer is not None:
+            tensorboard.write(self.writer, step, {k: v for k, v in metrics.items() if k != VALID_LOSS})
 
     def on_close(self, trainer: TrainerView) -> None:
         if self.metrics is not None:
@@ -127,7 +125,7 @@ def moe_metrics(trainer: TrainerView, step: int, steps: int = 1) -> dict[str, fl
     names = [MOE_LOSS_NAMES[model.moe_load_balancing]] + (["z_loss"] if model.moe_z_loss_coeff else [])
     totals: dict[str, Any] = {}
     _moe_tracker().report(
-        loss_scale=1.0 / (trainer.layout.num_microbatches * steps),
+        loss_scale=1.0 / (trainer.components.layout.num_microbatches * steps),
         iteration=step,
         track_names=names,
         force_initialize=True,

@@ -29,14 +29,8 @@ from megagate.monitor.spike import SpikeAbort, SpikeMonitor, SpikeMonitorConfig,
 from megagate.monitor.spike_score import SpikeScores
 from megagate.train import components as parts
 from megagate.train.callbacks.base import Callback, StepOutput, TrainerView, Update
-from megagate.train.callbacks.metrics import MetricsLogger
 
 SAMPLE_STEPS_KEPT = 10_000  # steps whose batch positions are kept for the events (more than any logging interval)
-
-
-def _writer(trainer: TrainerView) -> Any:
-    logger = trainer.callback(MetricsLogger)
-    return None if logger is None else logger.writer
 
 
 class SpikeMonitoring(Callback):
@@ -52,7 +46,6 @@ class SpikeMonitoring(Callback):
         self.monitor = SpikeMonitor(config)
         self.scores = SpikeScores(("loss", "grad_norm"))
         self.samples: dict[int, tuple[int, int]] = {}  # step -> its batch's [first, end) sample positions (recent)
-        self.writer: Any = None
         self.events: EventLog | None = None
         # judged before the update (one host read per step): an action that decides, or a callback after this one
         # that needs each step's flags as it trains (EarlyStopping counts the loss spikes)
@@ -61,8 +54,7 @@ class SpikeMonitoring(Callback):
 
     def on_start(self, trainer: TrainerView) -> None:
         if trainer.logging_rank:
-            self.writer = _writer(trainer)
-            self.events = EventLog(Path(trainer.cfg.output.dir) / runfiles.EVENTS, self.writer)
+            self.events = EventLog(Path(trainer.cfg.output.dir) / runfiles.EVENTS, trainer.record_metric)
         trainer.record_summary("spikes", self.monitor.num_events)
         self._trainer = trainer
         if not self.deciding:
@@ -181,7 +173,7 @@ class FaultInjection(Callback):
         return self.injector.batches(step, microbatches, trainer.cfg.model.vocab_size)
 
     def post_backward(self, trainer: TrainerView, step: int) -> None:
-        self.injector.grads(step, [p for chunk in trainer.model for p in chunk.parameters()])
+        self.injector.grads(step, [p for chunk in trainer.components.model for p in chunk.parameters()])
 
     def pre_optim_step(self, trainer: TrainerView, update: Update) -> None:
         factor = self.injector.loss_factor(update.step)
@@ -213,26 +205,24 @@ class LiveDiagnostics(Callback):
         self.want_ratio = update_ratio
         self.ratio: update_stats.UpdateRatio | None = None
         self.probe: dict | None = None
-        self.writer: Any = None
 
     def on_start(self, trainer: TrainerView) -> None:
-        self.writer = _writer(trainer)
         self.probe = next(parts.loader(trainer.cfg, trainer.components.valid_data, 0))
-        if self.want_ratio and update_stats.supported(trainer.model):
+        if self.want_ratio and update_stats.supported(trainer.components.model):
             self.ratio = update_stats.UpdateRatio(trainer.cfg.model.num_layers)
         elif self.want_ratio:
             warn("monitor.diagnostics: no update ratio with DDP's overlap_param_gather (weights gather in the forward)")
 
     def pre_optim_step(self, trainer: TrainerView, update: Update) -> None:
         if self.ratio is not None and update.step % self.interval == 0:
-            self.ratio.snapshot(trainer.model)
+            self.ratio.snapshot(trainer.components.model)
 
     def post_step(self, trainer: TrainerView, output: StepOutput) -> None:
         if output.step % self.interval:
             return
         record: dict[str, Any] = {"step": output.step}
         if self.ratio is not None:  # every model-parallel rank: a collective
-            ratios = self.ratio.measure(trainer.model, *update_stats.model_parallel_group())
+            ratios = self.ratio.measure(trainer.components.model, *update_stats.model_parallel_group())
             record.update(update_ratio=ratios, update_ratio_max=max(ratios.values(), default=math.nan))
         if trainer.stop_reason is not None:
             return
@@ -242,7 +232,10 @@ class LiveDiagnostics(Callback):
             return  # the probe forward needs the whole model on this rank (PP=1)
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         diags, out = diagnostics.collect_with_output(
-            trainer.model[0], self.probe["tokens"].to(device), self.probe["position_ids"].to(device), **self.sink
+            trainer.components.model[0],
+            self.probe["tokens"].to(device),
+            self.probe["position_ids"].to(device),
+            **self.sink,
         )
         record.update(max_logit=max((d.max_logit for d in diags), default=math.nan), **out)
         scalars = diagnostics.to_scalars(diags)
@@ -257,9 +250,8 @@ class LiveDiagnostics(Callback):
         )
         if trainer.logging_rank:
             run_dir = trainer.cfg.output.dir
-            trainer.record_metric(output.step, precursor_scalars(record))
-            if self.writer is not None:  # the histograms of the gate scores go to TensorBoard only
-                diagnostics.log_to_tensorboard(self.writer, output.step, diags)
+            # the gate scores' histograms go to TensorBoard only
+            trainer.record_metric(output.step, {**precursor_scalars(record), **diagnostics.to_metrics(diags)})
             for line in diagnostics.records(output.step, diags):
                 runfiles.append_jsonl(os.path.join(run_dir, runfiles.DIAGNOSTICS), line)
             runfiles.append_jsonl(os.path.join(run_dir, runfiles.PRECURSORS), record)

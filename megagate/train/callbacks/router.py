@@ -22,7 +22,7 @@ class RouterHealth(Callback):
 
     def on_start(self, trainer: TrainerView) -> None:
         model = trainer.cfg.model
-        self.counts = router.RouterCounts(trainer.model, model.num_layers, model.num_experts)
+        self.counts = router.RouterCounts(trainer.components.model, model.num_layers, model.num_experts)
 
     def on_step_start(self, trainer: TrainerView, step: int) -> None:
         # the entropy is measured on the logging steps' micro-batches only (it recomputes the router logits)
