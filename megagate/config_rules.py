@@ -52,6 +52,13 @@ def check_rules(cfg: TrainConfig) -> None:
         )
     _check_optimizer(t)
     _check_muon(cfg)
+    if t.qk_clip_threshold is not None:
+        raise ConfigError(
+            f"train.qk_clip_threshold={t.qk_clip_threshold:g} is not supported: megatron-core 0.19's QK-clip takes each "
+            "head's max attention logit from Transformer Engine's fused attention (>= 2.9) only, which megagate's "
+            "local and SDPA core attentions do not compute, and rescales linear_qkv as [q|k|v] per group, which "
+            "megagate's fused gate rows are not (docs/monitoring.md, QK-clip); leave it unset"
+        )
     _check_cadence(cfg)
     _check_early_stop(cfg)
     _check_split(cfg.data.split)
@@ -107,6 +114,7 @@ def _check_optimizer(t: TrainSection) -> None:
         )
     for name, low, high, what in (
         ("clip_grad", 0.0, None, ">= 0 (0: no clipping)"),
+        ("z_loss_coeff", 0.0, None, ">= 0 (0: no z-loss; PaLM used 1e-4)"),
         ("weight_decay", 0.0, None, ">= 0"),
         ("adam_beta1", 0.0, 1.0, "in [0, 1)"),
         ("adam_beta2", 0.0, 1.0, "in [0, 1)"),

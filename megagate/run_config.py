@@ -81,6 +81,11 @@ class TrainSection:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    # PaLM's z-loss on the LM head: coeff * mean(logsumexp(logits)^2) over the loss-masked tokens, added to the
+    # back-propagated loss and logged apart (train/z_loss); 0: off. Not model.moe_z_loss_coeff (the MoE router's)
+    z_loss_coeff: float = 0.0
+    # megatron-core's QK-clip threshold: refused when set (megagate.config_rules: no max attention logit here)
+    qk_clip_threshold: float | None = None
     use_distributed_optimizer: bool = True
     # adamw, or muon (megatron-core's TensorParallelMuon on 2-D weights, AdamW with adam_* on the rest)
     optimizer: str = "adamw"

@@ -276,6 +276,10 @@ CASES = [
     C("wrong-type-float-list", f"{DRY} train.lr=[1]", "train.lr=[1]"),
     C("demo-vocab", f"{DRY} data.demo_vocab_size=100", "data.demo_vocab_size=100"),
     C("amax-history", f"{DRY} train.fp8_amax_history_len=0", "train.fp8_amax_history_len=0"),
+    C("z-loss-negative", f"{DRY} train.z_loss_coeff=-0.001", "train.z_loss_coeff=-0.001 must be >= 0"),
+    C("z-loss-word", f"{DRY} train.z_loss_coeff=lots", "train.z_loss_coeff='lots' must be a number"),
+    C("z-loss-nan", f"{DRY} train.z_loss_coeff=.nan", "train.z_loss_coeff=nan must be a finite number"),
+    C("qk-clip", f"{DRY} train.qk_clip_threshold=50", "train.qk_clip_threshold=50 is not supported"),
     C("unknown-key", f"{DRY} train.colour=red", "train.colour"),
     # (moved here from tests/train/test_config_errors.py)
     C("wrong-type-int", f"{DRY} train.micro_batch_size=two", "train.micro_batch_size='two' must be an integer"),

@@ -54,7 +54,8 @@ def describe(setup: RunSetup) -> str:
         f"{layout.num_microbatches} micro-batches; {t.global_batch_size * t.seq_length:,} tokens/step; "
         f"{t.train_steps} steps = {t.train_steps * t.global_batch_size * t.seq_length:,} tokens",
         f"precision {t.precision}; lr {t.lr} ({t.lr_schedule}, warmup {t.warmup_steps}, min {t.min_lr}); "
-        f"clip {t.clip_grad}; weight decay {t.weight_decay}; optimizer {_optimizer_line(t)}",
+        f"clip {t.clip_grad}; weight decay {t.weight_decay}; optimizer {_optimizer_line(t)}"
+        + (f"; z-loss {t.z_loss_coeff:g} (train/z_loss, not in train/loss)" if t.z_loss_coeff else ""),
         f"output: {cfg.output.dir}; checkpoints: {cfg.checkpoint_dir}",
         *data_lines(cfg),
         *setup.describe(),

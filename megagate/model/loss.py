@@ -35,3 +35,71 @@ def use_local_cross_entropy(model: Any) -> bool:
         return False
     model.compute_language_model_loss = local_cross_entropy  # the instance's, in place of megatron's method
     return True
+
+
+def vocab_parallel_logsumexp(logits: torch.Tensor, group: Any) -> torch.Tensor:
+    """logsumexp over the vocabulary of `logits` [s, b, v/tp] whose vocabulary is split over `group`: [s, b] float32.
+
+    The row maximum is all-reduced (MAX) and detached: it only shifts the exponent, so no gradient flows through
+    it. The sums of exponentials are added with megatron's `reduce_from_tensor_model_parallel_region` (all-reduce
+    forward, identity backward: every rank holds the same loss and back-propagates it into its own shard)."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    logits = logits.float()
+    row_max = logits.max(dim=-1).values.detach()  # [s, b]
+    tp = torch.distributed.get_world_size(group) if group is not None else 1
+    if tp > 1:
+        torch.distributed.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX, group=group)
+    sum_exp = torch.exp(logits - row_max.unsqueeze(-1)).sum(dim=-1)  # [s, b]
+    if tp > 1:
+        sum_exp = reduce_from_tensor_model_parallel_region(sum_exp, group=group)
+    return row_max + torch.log(sum_exp)
+
+
+class ZLoss:
+    """A model's language-model loss with PaLM's z-loss (Chowdhery et al. 2022, arXiv:2204.02311, sec. 5:
+    `coeff * log(Z)^2`, Z the softmax normaliser) computed beside it.
+
+    Installed as the model's `compute_language_model_loss`, it returns the cross-entropy [b, s] exactly as the
+    wrapped loss does (so the logged loss stays the cross-entropy) and keeps this forward's per-token term
+    `coeff * lse^2` [b, s], with its graph, in `pending` until the trainer's loss function takes it, masks it,
+    averages it and adds it to the loss it back-propagates. The log-sum-exp is taken before the cross-entropy runs
+    (megatron's vocab-parallel kernel may work on the logits in place)."""
+
+    def __init__(self, loss_fn: Any, coeff: float, group: Any) -> None:
+        self.loss_fn, self.coeff, self.group = loss_fn, float(coeff), group
+        self.pending: torch.Tensor | None = None
+
+    def __call__(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        lse = vocab_parallel_logsumexp(logits, self.group)  # [s, b]
+        self.pending = self.coeff * lse.square().t()  # [b, s]
+        return self.loss_fn(labels, logits)
+
+    def take(self) -> torch.Tensor | None:
+        """The per-token z-loss [b, s] of the latest forward (once; None after)."""
+        pending, self.pending = self.pending, None
+        return pending
+
+
+def add_z_loss(model: Any, coeff: float) -> ZLoss:
+    """Wrap the language-model loss of a megatron GPTModel (last pipeline stage) in a `ZLoss` of `coeff` > 0, over
+    the model's tensor-parallel group (the local cross-entropy of a one-rank group, or megatron's own)."""
+    group = getattr(model, "tp_group", None)
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+    z_loss = ZLoss(model.compute_language_model_loss, coeff, group)
+    model.compute_language_model_loss = z_loss
+    model.z_loss = z_loss
+    return z_loss
+
+
+def z_loss_of(model: Any) -> ZLoss | None:
+    """The `ZLoss` of a model chunk or of its wrappers (DDP, Float16Module: `.module`), None without one."""
+    while model is not None:
+        found = getattr(model, "__dict__", {}).get("z_loss")
+        if found is not None:
+            return found
+        model = getattr(model, "module", None)
+    return None

@@ -336,6 +336,12 @@ def build_components(setup: RunSetup) -> Components:
     if perf.tp_comm_overlap:
         initialize_tp_comm_overlap(setup)  # TE's userbuffers before the layers that use them are built
     chunks = build_model(setup)
+    if cfg.train.z_loss_coeff > 0:  # training only: evaluation and export build the same model without it
+        from megagate.model.loss import add_z_loss
+
+        for chunk in chunks:
+            if chunk.post_process:
+                add_z_loss(chunk, cfg.train.z_loss_coeff)
     ddp = wrap_ddp(setup, chunks)
     optimizer, scheduler = build_optimizer(setup, ddp)
     tconfig = chunks[0].config

@@ -96,8 +96,11 @@ class Metrics:
         done = step - self._first_step + 1
         elapsed = time.perf_counter() - self._start
         eta = elapsed / done * (self.total_steps - step)
+        z_loss = values.get("z_loss")  # train.z_loss_coeff: the term beside the loss (which does not include it)
         print(
-            f"step {step:>6d}/{self.total_steps} | loss {loss:8.4f} | lr {lr:.3e} | grad {grad_norm:7.3f} | "
+            f"step {step:>6d}/{self.total_steps} | loss {loss:8.4f} | "
+            + ("" if z_loss is None else f"z-loss {z_loss:.3e} | ")
+            + f"lr {lr:.3e} | grad {grad_norm:7.3f} | "
             f"{tokens_per_s:9.0f} tok/s | {step_time * 1000:7.1f} ms/step | ETA {_duration(eta)}",
             flush=True,
         )

@@ -13,6 +13,7 @@ A flush is a collective call: every rank makes it at the same step (callbacks ru
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ class Values:
     loss: float  # mean training loss over micro-batches and data-parallel ranks, as computed
     grad_norm: float  # global gradient norm before clipping
     seen_loss: float  # the loss callbacks judged the step by (fault injection may scale it)
+    z_loss: float | None = None  # the z-loss term added to the back-propagated loss (train.z_loss_coeff), not in loss
 
 
 def global_losses(local: torch.Tensor) -> torch.Tensor:
@@ -92,42 +94,50 @@ class StepLog:
 
     def __init__(self, reads: HostReads) -> None:
         self.reads = reads
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor | float]] = []
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor | float, torch.Tensor | None]] = []
         self._known: dict[int, Values] = {}
         self._factors: dict[int, float] = {}  # step -> factor of the loss the callbacks saw
         self._subscribers: list[Callable[[list[tuple[int, Values]]], None]] = []
         self.first: tuple[int, Values] | None = None  # the first step read (the run summary's first loss)
 
-    def add(self, step: int, local_loss: torch.Tensor, grad_norm: torch.Tensor | float) -> None:
-        """Record a step: `local_loss` a 0-d float64 tensor (see global_losses), `grad_norm` the global norm."""
-        self._pending.append((step, local_loss, grad_norm))
+    def add(
+        self, step: int, local_loss: torch.Tensor, grad_norm: torch.Tensor | float, local_z: torch.Tensor | None = None
+    ) -> None:
+        """Record a step: `local_loss` a 0-d float64 tensor (see global_losses), `grad_norm` the global norm,
+        `local_z` this rank's z-loss term like `local_loss` (None: no z-loss)."""
+        self._pending.append((step, local_loss, grad_norm, local_z))
 
     def scale_seen_loss(self, step: int, factor: float) -> None:
         """The callbacks after this one judge `step` by its loss x `factor` (fault injection)."""
         self._factors[step] = self._factors.get(step, 1.0) * factor
         if step in self._known:
             v = self._known[step]
-            self._known[step] = Values(v.loss, v.grad_norm, v.seen_loss * factor)
+            self._known[step] = dataclasses.replace(v, seen_loss=v.seen_loss * factor)
 
     def subscribe(self, fn: Callable[[list[tuple[int, Values]]], None]) -> None:
         self._subscribers.append(fn)
 
     @property
     def pending(self) -> list[int]:
-        return [step for step, _, _ in self._pending]
+        return [step for step, *_ in self._pending]
 
     def flush(self) -> list[tuple[int, Values]]:
         """Read every pending step (collective; one host read, none if nothing is pending); the steps read."""
         if not self._pending:
             return []
-        losses = global_losses(torch.stack([loss.reshape(()) for _, loss, _ in self._pending]))
-        norms = torch.stack([_as_tensor(norm, losses) for _, _, norm in self._pending])
-        host = self.reads.read(torch.stack([losses, norms]))
+        local = [loss.reshape(()) for _, loss, _, _ in self._pending]
+        with_z = any(z is not None for *_, z in self._pending)
+        if with_z:  # the z-loss terms go through the same reduction and the same read, after the losses
+            local += [torch.zeros_like(local[0]) if z is None else z.reshape(()) for *_, z in self._pending]
+        losses = global_losses(torch.stack(local))
+        norms = torch.stack([_as_tensor(norm, losses) for _, _, norm, _ in self._pending])
+        host = self.reads.read(torch.cat([losses, norms]))
         k = len(self._pending)
+        zs, norm_at = (host[k : 2 * k], 2 * k) if with_z else ([None] * k, k)
         read = []
-        for i, (step, _, _) in enumerate(self._pending):
+        for i, (step, *_) in enumerate(self._pending):
             factor = self._factors.pop(step, 1.0)
-            read.append((step, Values(host[i], host[k + i], host[i] * factor)))
+            read.append((step, Values(host[i], host[norm_at + i], host[i] * factor, zs[i])))
         self._pending.clear()
         self._known = dict(read)
         if self.first is None:
@@ -196,13 +206,18 @@ class StepValues:
     def seen_loss(self) -> float:
         return self.host().seen_loss
 
+    @property
+    def z_loss(self) -> float | None:
+        """The step's z-loss term (global mean, like `loss`); None without train.z_loss_coeff."""
+        return self.host().z_loss
+
     def scale_seen_loss(self, factor: float) -> None:
         """Callbacks after this call judge the step by its loss x `factor` (no read)."""
         if self._log is not None:
             self._log.scale_seen_loss(self.step, factor)
         if self._given is not None:
             v = self._given
-            self._given = Values(v.loss, v.grad_norm, v.seen_loss * factor)
+            self._given = dataclasses.replace(v, seen_loss=v.seen_loss * factor)
 
 
 def stacked(values: Sequence[torch.Tensor]) -> torch.Tensor:

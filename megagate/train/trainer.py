@@ -36,6 +36,7 @@ from megagate.console import log
 from megagate.data.prefetch import StepPrefetcher
 from megagate.errors import MegagateError
 from megagate.health import progress
+from megagate.model.loss import ZLoss, z_loss_of
 from megagate.monitor.tensorboard import Metric
 from megagate.run_setup import RunSetup
 from megagate.train import components as parts
@@ -88,6 +89,7 @@ class Trainer:
         self._schedule: Any = None  # megatron's forward-backward schedule and its process groups (first use)
         self._groups: Any = None
         self._restored = False
+        self._z_loss = cfg.train.z_loss_coeff > 0  # the step's z-loss term is logged beside its loss
         tokenizer = None if components.data is None else components.data.tokenizer
         self._data_order = resume_checks.data_order(cfg, tokenizer)
         self._mark_phases()
@@ -134,13 +136,14 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         progress.enter("forward_backward")
-        local_loss = self.forward_backward(microbatches, forward_only=False)
+        results = self._run_schedule(microbatches, forward_only=False)
+        local_loss, local_z = _local_loss(results), _local_loss(results, "z loss") if self._z_loss else None
         progress.enter("optimizer")
         self._call("post_backward", step)
         # Callbacks decide before anything is applied: gradients are reduced and their global norm is known.
         self.scheduler.step(increment=0)  # this update's LR from the schedule (a previous step may have scaled it)
         found_inf, grad_norm = self._optim.prepare()  # the one norm of the step, on the device where megatron can
-        self.step_log.add(step, local_loss, grad_norm)
+        self.step_log.add(step, local_loss, grad_norm, local_z)
         update = Update(step, StepValues(self.step_log, step))
         self._restored = False
         for cb in self.callbacks:
@@ -345,6 +348,10 @@ class Trainer:
     def forward_backward(self, microbatches: list[dict], forward_only: bool) -> torch.Tensor:
         """megatron's forward(-backward) schedule over micro-batches; this rank's mean loss over them, a 0-d float64
         device tensor (zero off the last pipeline stage; step_values.global_losses makes it global)."""
+        return _local_loss(self._run_schedule(microbatches, forward_only))
+
+    def _run_schedule(self, microbatches: list[dict], forward_only: bool) -> list[dict]:
+        """megatron's schedule over micro-batches: each micro-batch's reported losses (last pipeline stage)."""
         if self._schedule is None:
             from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -353,7 +360,7 @@ class Trainer:
             self._schedule = get_forward_backward_func()
             self._groups = parts.schedule_groups() if self.layout.pp == 1 else None
         iterators = [iter(microbatches) for _ in self.ddp] if len(self.ddp) > 1 else iter(microbatches)
-        results = self._schedule(
+        return self._schedule(
             forward_step_func=_forward_step,
             data_iterator=iterators,
             model=self.ddp if len(self.ddp) > 1 else self.ddp[0],
@@ -363,15 +370,23 @@ class Trainer:
             forward_only=forward_only,
             pg_collection=self._groups,
         )
-        return _local_loss(results)
 
 
-def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def _loss_func(loss_mask: torch.Tensor, z_loss: ZLoss | None, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The masked mean cross-entropy of a micro-batch, plus (train.z_loss_coeff) the masked mean z-loss term: the
+    back-propagated loss is their sum, "lm loss" the cross-entropy alone, "z loss" the term."""
     losses = output.float()
     mask = loss_mask.to(losses.device).float()
-    loss = (losses * mask).sum() / mask.sum().clamp(min=1)
+    count = mask.sum().clamp(min=1)
+    loss = (losses * mask).sum() / count
     # clone: the schedule divides the returned loss by the number of micro-batches in place
-    return loss, {"lm loss": loss.detach().clone()}
+    reported = {"lm loss": loss.detach().clone()}
+    z_tokens = None if z_loss is None else z_loss.take()  # [b, s] coeff * lse^2 of this forward
+    if z_tokens is not None:
+        z = (z_tokens.float() * mask).sum() / count
+        reported["z loss"] = z.detach().clone()
+        loss = loss + z
+    return loss, reported
 
 
 def _forward_step(data_iterator: Iterator[dict], model: Any) -> tuple[torch.Tensor, Any]:
@@ -388,13 +403,13 @@ def _forward_step(data_iterator: Iterator[dict], model: Any) -> tuple[torch.Tens
         )
         batch.pop("cu_seqlens", None)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # losses [b, s]
-    return output, partial(_loss_func, batch["loss_mask"])
+    return output, partial(_loss_func, batch["loss_mask"], z_loss_of(model))
 
 
-def _local_loss(results: list[dict]) -> torch.Tensor:
-    """This rank's mean loss over its micro-batches on the device (the last pipeline stage has results)."""
+def _local_loss(results: list[dict], key: str = "lm loss") -> torch.Tensor:
+    """This rank's mean of `key` over its micro-batches on the device (the last pipeline stage has results)."""
     if results:
-        return torch.stack([r["lm loss"].reshape(()) for r in results]).double().mean()
+        return torch.stack([r[key].reshape(()) for r in results]).double().mean()
     return torch.zeros(
         (), dtype=torch.float64, device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     )

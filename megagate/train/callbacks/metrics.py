@@ -88,6 +88,10 @@ class MetricsLogger(Callback):
             extra.update(moe_metrics(trainer, step, self._moe_steps))  # a collective; resets megatron's tracker
             self._moe_steps = 0
         loss, grad_norm = output.loss, output.grad_norm  # one read of every pending step (every rank: collective)
+        if cfg.train.z_loss_coeff:
+            # train/loss stays the cross-entropy; the z-loss term and the objective back-propagated beside it
+            z_loss = output.values.z_loss
+            extra.update(z_loss=z_loss, loss_with_z_loss=loss + z_loss)
         first, start, side = self._since
         now = time.perf_counter()
         step_time = (now - start - (trainer.side_time - side)) / max(step - first, 1)
