@@ -77,6 +77,27 @@ def test_logsumexp_of_one_shard_is_torch_logsumexp():
     assert torch.allclose(vocab_parallel_logsumexp(logits, None), torch.logsumexp(logits, -1), rtol=0, atol=1e-5)
 
 
+def test_step_log_reads_the_z_loss_in_the_same_one_read(megatron_world):
+    """The z-loss terms of pending steps come back with their losses and norms in one host read; steps without one
+    (coeff 0) read as before."""
+    from megagate.train.step_values import HostReads, StepLog
+
+    reads = HostReads()
+    log = StepLog(reads)
+    for step in (1, 2, 3):
+        log.add(step, torch.tensor(7.0 + step, dtype=torch.float64), 0.5 * step, torch.tensor(0.01 * step).double())
+    read = log.flush()
+    assert reads.count == 1
+    assert [(s, v.loss, v.grad_norm, v.z_loss) for s, v in read] == [
+        (1, 8.0, 0.5, pytest.approx(0.01)),
+        (2, 9.0, 1.0, pytest.approx(0.02)),
+        (3, 10.0, 1.5, pytest.approx(0.03)),
+    ]
+    log.add(4, torch.tensor(6.0, dtype=torch.float64), 2.0)
+    assert log.values(4).z_loss is None and (log.values(4).loss, log.values(4).grad_norm) == (6.0, 2.0)
+    assert reads.count == 2
+
+
 @pytest.mark.distributed
 def test_tp2_z_loss_equals_tp1(tmp_path):
     """TP 2 (megatron's vocab-parallel cross-entropy, log Z over the two vocabulary shards) gives TP 1's loss,
