@@ -132,12 +132,12 @@ RUN = [
 ]
 
 
-def _train(out: Path, *overrides: str) -> tuple[dict[int, dict], dict[str, list]]:
+def _train(out: Path, *overrides: str, nproc: int = 1) -> tuple[dict[int, dict], dict[str, list]]:
     """A 3-step tiny CPU run; (its train records by step, its TensorBoard scalars: tag -> [(step, value)])."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     args = ["train", "--config", str(T.CONFIG), *RUN, f"output.dir={out}", *overrides]
-    proc = forked.run_cli(args, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    proc = forked.run_cli(args, env={**os.environ, "OMP_NUM_THREADS": "1"}, nproc=nproc, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
@@ -146,11 +146,17 @@ def _train(out: Path, *overrides: str) -> tuple[dict[int, dict], dict[str, list]
     return {r["step"]: r for r in records if r["split"] == "train"}, scalars
 
 
+@pytest.fixture(scope="module")
+def z_run(tmp_path_factory) -> tuple[dict[int, dict], dict[str, list]]:
+    """The 3-step run with train.z_loss_coeff=1e-3 in one process."""
+    return _train(tmp_path_factory.mktemp("z") / "run", "train.z_loss_coeff=1e-3")
+
+
 @pytest.mark.slow  # three tiny runs (~1 min of CPU)
-def test_training_logs_the_z_loss_and_coeff_zero_changes_nothing(tmp_path):
+def test_training_logs_the_z_loss_and_coeff_zero_changes_nothing(tmp_path, z_run):
     default, default_tb = _train(tmp_path / "default")
     zero, zero_tb = _train(tmp_path / "zero", "train.z_loss_coeff=0")
-    z, z_tb = _train(tmp_path / "z", "train.z_loss_coeff=1e-3")
+    z, z_tb = z_run
     # coeff 0 is the default run: the same losses and grad norms bit for bit, no z-loss scalar anywhere
     assert [(s, r["loss"], r["grad_norm"]) for s, r in zero.items()] == [
         (s, r["loss"], r["grad_norm"]) for s, r in default.items()
@@ -170,6 +176,20 @@ def test_training_logs_the_z_loss_and_coeff_zero_changes_nothing(tmp_path):
     assert (z[1]["loss"], z[2]["loss"]) == (default[1]["loss"], default[2]["loss"])
     assert z[3]["loss"] != default[3]["loss"]
     assert [v for _, v in z_tb["train/loss"]] == pytest.approx([z[s]["loss"] for s in (1, 2, 3)], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"])
+def test_tp2_and_pp2_training_log_the_z_loss_of_one_process(tmp_path, z_run, layout):
+    """Through the trainer: TP 2 (megatron's vocab-parallel cross-entropy, log Z over the shards) and PP 2 (the term
+    on the last stage, shared along the pipeline) log the single-process run's z-loss and loss."""
+    ours, tb = _train(tmp_path / "run", "train.z_loss_coeff=1e-3", layout, nproc=2)
+    reference = z_run[0]
+    assert [s for s, _ in tb["train/z_loss"]] == [1, 2, 3]
+    for step, record in ours.items():
+        assert record["z_loss"] == pytest.approx(reference[step]["z_loss"], rel=1e-6), (step, record)
+        assert record["loss"] == pytest.approx(reference[step]["loss"], rel=1e-6), (step, record)
 
 
 def test_dry_run_shows_the_z_loss_only_when_on(capsys):
