@@ -6,6 +6,9 @@ With one rank the whole vocabulary is local and the loss is torch's cross-entrop
 same values and gradients (softmax minus the one-hot target), computed by torch's fused kernel.
 `use_local_cross_entropy` installs it as the model's `compute_language_model_loss` where megatron would run the
 unfused vocab-parallel path (TP = 1, no cross-entropy fusion); megatron's fused kernels are left as they are.
+
+`ZLoss` (train.z_loss_coeff, installed by `add_z_loss` over either loss) adds PaLM's z-loss: the log-sum-exp of the
+logits over the whole vocabulary (`vocab_parallel_logsumexp`: across the tensor-parallel shards), squared.
 """
 
 from __future__ import annotations
