@@ -62,10 +62,10 @@ def test_what_must_match_is_named_in_one_line(change, named):
 
 def test_what_may_change_is_accepted():
     saved = cfg()
-    # the layout (resharded), the schedule, the batch and the rotary base may change between launches
+    # the layout (resharded), the schedule, the batch, the z-loss and the rotary base may change between launches
     now = cfg(
         parallel={"tensor_model_parallel_size": 2},
-        train={"global_batch_size": 32, "train_steps": 200, "lr": 3e-4},
+        train={"global_batch_size": 32, "train_steps": 200, "lr": 3e-4, "z_loss_coeff": 1e-4},
         model={"rotary_base": 10000},
     )
     resume.check_compatible(meta_of(saved), now)
