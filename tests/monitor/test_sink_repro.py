@@ -1,7 +1,8 @@
 """The CPU sink reproduction of docs/science.md ("A sink on purpose"): the synthetic BOS corpus
 (megagate.data.synthetic, `megagate data synth`), every training sample starting at BOS through the trainer's own
 dataset builder, the untrained model below the sink threshold, and (slow) the shipped examples/sink_repro_cpu.yaml
-trained as the baseline, whose sink the probe finds, against G1 and the learnable softmax sink, which stay below it.
+trained as the baseline, whose sink the probe finds. No ordering of G1 and the softmax sinks is asserted: over 3
+seeds they form sinks too and the seed spread is as large as the differences (docs/science.md §6).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "sink_repro_cpu.yaml"
 # the data command of the config's header
 SYNTH = ["--documents", "4096", "--length", "64", "--vocab", "64", "--zipf", "1.0", "--triggers", "2"]
-THRESHOLD = 0.4  # Sink^0.3_1: the trained baseline measured 0.66, G1 0.23, the untrained model 0
+# Sink^0.3_1 and F-Attn: the lowest of 6 trained baseline runs (3 seeds x 600 / 1000 steps) measured 0.25 and 0.133,
+# seed 0 at 600 steps (this test's run) 0.656 and 0.349; the untrained model 0 and ~0.06 (uniform: 0.059)
+THRESHOLD = 0.2
+F_ATTN_THRESHOLD = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +117,10 @@ def test_untrained_model_has_no_sink(corpus, megatron_world):
     (layer,) = diagnostics.collect(model, torch.from_numpy(docs.astype(np.int64)))
     uniform = sum(1 / (i + 1) for i in range(1, 64)) / 63  # 0.059
     assert layer.sink == 0.0 < THRESHOLD and layer.sink_length == 64
-    assert abs(layer.f_attn - uniform) < 0.02
+    assert abs(layer.f_attn - uniform) < 0.02 and layer.f_attn < F_ATTN_THRESHOLD
 
 
-# --- the shipped config, trained (slow: ~45 s of one core per run) ------------------------------------------------
+# --- the shipped config, trained (slow: ~30-45 s of one core) ------------------------------------------------
 def train(corpus: Path, out: Path, *overrides: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = ["train", "--config", str(CONFIG), *data_overrides(corpus), f"output.dir={out}"]
@@ -135,12 +139,4 @@ def baseline(corpus, tmp_path_factory) -> dict:
 def test_probe_finds_the_baselines_sink(baseline):
     assert baseline["step"] == 600
     assert baseline["sink"] > THRESHOLD  # measured 0.656
-    assert baseline["f_attn"] > 0.25  # measured 0.349; uniform 0.059
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", ["model.gate.preset=g1-elementwise", "model.softmax_type=learnable"])
-def test_g1_and_the_learnable_sink_stay_below_it(corpus, baseline, tmp_path, variant):
-    other = train(corpus, tmp_path, variant)
-    assert other["sink"] < THRESHOLD < baseline["sink"]  # measured G1 0.227, learnable 0.0
-    assert other["f_attn"] < baseline["f_attn"] / 2  # measured 0.161 and 0.017 against 0.349
+    assert baseline["f_attn"] > F_ATTN_THRESHOLD  # measured 0.349
