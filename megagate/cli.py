@@ -34,7 +34,7 @@ COMMANDS: dict[str, str] = {
     "eval": "perplexity of checkpoints per dataset, length and position (RoPE/YaRN overrides), F-Attn/M-Act, plot",
     "preprocess": "tokenize JSONL/Parquet/text into megatron .bin/.idx (parallel, streaming, atomic; sharded: Slurm array + merge)",
     "tokenizer": "train a byte-level BPE tokenizer, or check the fast engine against HF",
-    "data": "inspect preprocessed datasets (documents, tokens, length histogram, decoded sample)",
+    "data": "inspect preprocessed datasets (documents, tokens, length histogram, decoded sample); synth a BOS corpus",
     "variants": "list the gate presets and the paper's parameter counts",
     "demo": "the CPU demo: real-text data, baseline vs gated tiny models trained with megagate train, loss-curve plot",
 }

@@ -65,15 +65,33 @@ def test_world_sizes_are_the_jobs():
     assert planned_world_sizes(ROOT / "examples" / "tiny_cpu.yaml") == [1]
 
 
+# configs that train on files a command of their header writes first: that command, run in the test's folder
+PREPARE = {
+    "examples/sink_repro_cpu.yaml": [
+        "data", "synth", "--out", "runs/sink-data", "--documents", "4096", "--length", "64", "--vocab", "64",
+        "--zipf", "1.0", "--triggers", "2",
+    ],
+}  # fmt: skip
+
+
+def test_prepare_commands_are_the_configs_own():
+    for name, argv in PREPARE.items():
+        assert "megagate " + " ".join(argv) in (ROOT / name).read_text()
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(ROOT)) for p in CONFIGS])
 def test_config_dry_runs(path: Path, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # nothing may be written, and relative paths in the config must not matter here
+    prepare = PREPARE.get(str(path.relative_to(ROOT)))
+    if prepare:
+        assert main(prepare) == 0
+    before = sorted(tmp_path.rglob("*"))
     for world in planned_world_sizes(path):
         rc = main(["train", "--config", str(path), "--dry-run", "--world-size", str(world)])
         assert rc == 0, capsys.readouterr().err
         out = capsys.readouterr().out
         assert f"parallel: world {world} = " in out
-    assert list(tmp_path.iterdir()) == []
+    assert sorted(tmp_path.rglob("*")) == before
 
 
 def test_15a2b_example_is_the_papers_model_on_8x8(capsys):

@@ -1,4 +1,5 @@
-"""`megagate data inspect PREFIX`: counts, length histogram and a decoded sample of an indexed dataset."""
+"""`megagate data inspect PREFIX`: counts, length histogram and a decoded sample of an indexed dataset.
+`megagate data synth --out DIR`: the synthetic BOS corpus of megagate.data.synthetic (where a sink forms on a CPU)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     i.add_argument("--document", type=int, default=0, help="index of the document to decode (default 0)")
     i.add_argument("--max-chars", type=int, default=600, help="characters of the decoded sample to print")
     i.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    s = sub.add_parser(
+        "synth",
+        help="write a synthetic corpus: BOS + i.i.d. Zipf tokens (+ backcopy triggers) per document, and its tokenizer",
+    )
+    s.add_argument("--out", required=True, help="folder for tokenizer.json and bos_text_document.bin/.idx")
+    s.add_argument("--documents", type=int, default=4096, help="number of documents (default 4096)")
+    s.add_argument("--length", type=int, default=64, help="tokens per document, BOS included (= train.seq_length)")
+    s.add_argument("--vocab", type=int, default=64, help="vocabulary size: BOS, triggers, ordinary tokens (default 64)")
+    s.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the body tokens (0: uniform; default 1)")
+    s.add_argument("--triggers", type=int, default=0, help="trigger tokens followed by a backcopy (default 0: i.i.d.)")
+    s.add_argument("--trigger-rate", type=float, default=0.1, help="chance of a trigger at a body position (0.1)")
+    s.add_argument("--seed", type=int, default=0, help="random seed (same arguments, same bytes)")
 
 
 def length_histogram(lengths: np.ndarray) -> list[tuple[int, int, int]]:
@@ -156,7 +169,19 @@ def _run_units(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_synth(args: argparse.Namespace) -> int:
+    from megagate.data.synthetic import write_bos_corpus
+
+    tokenizer, prefix = write_bos_corpus(
+        args.out, args.documents, args.length, args.vocab, args.zipf, args.triggers, args.trigger_rate, args.seed
+    )
+    print(f"wrote {prefix}.bin/.idx ({args.documents:,} documents x {args.length} tokens, BOS first) and {tokenizer}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.action == "synth":
+        return _run_synth(args)
     if args.prefix.rstrip("/").endswith((".units", "manifest.json")):
         return _run_units(args)
     stats = inspect_prefix(args.prefix, args.tokenizer, args.document, args.max_chars)

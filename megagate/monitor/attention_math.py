@@ -36,12 +36,26 @@ def attention_logits(query: Tensor, key: Tensor, scale: float, mask: Tensor | No
     return logits.masked_fill(masked, -math.inf)
 
 
+def attention_probs(logits: Tensor, sink_logit: Tensor | None = None) -> Tensor:
+    """Softmax of the logits [b, np, sq, sk] over the keys; with a softmax sink (`sink_logit` [np], core attention's
+    `softmax_offset`: zeros for off-by-one, learned for learnable) exp(sink_logit) joins every row's denominator,
+    so the probabilities are the ones the model uses and a row sums to less than 1 (the rest is on the sink)."""
+    if sink_logit is None:
+        return torch.softmax(logits, dim=-1)
+    sink = sink_logit.detach().float().reshape(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+    return torch.exp(logits - torch.logsumexp(torch.cat([logits, sink], dim=-1), dim=-1, keepdim=True))
+
+
 def attention_stats(
-    logits: Tensor, sink_epsilon: float = SINK_EPSILON, sink_length: int = SINK_LENGTH
+    logits: Tensor,
+    sink_epsilon: float = SINK_EPSILON,
+    sink_length: int = SINK_LENGTH,
+    sink_logit: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Sums and maxima of one attention call (reducible over TP ranks): first-token prob per head, counts, max logit,
-    and the Sink^eps_1 hits: (sample, head) pairs whose mean first-token prob over the first T queries exceeds eps."""
-    probs = torch.softmax(logits, dim=-1)  # [b, np, sq, sk]
+    and the Sink^eps_1 hits: (sample, head) pairs whose mean first-token prob over the first T queries exceeds eps.
+    `sink_logit`: the softmax sink's logit per head (`attention_probs`), None for vanilla softmax."""
+    probs = attention_probs(logits, sink_logit)  # [b, np, sq, sk]
     first = probs[:, :, 1:, 0]  # queries >= 1 on key 0
     length = min(sink_length, probs.shape[2])
     alpha = probs[:, :, :length, 0].mean(dim=2)  # [b, np]: Gu et al.'s alpha_1 per sample and head

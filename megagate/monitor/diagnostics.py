@@ -4,7 +4,8 @@
   the fp32 gate scores [sq, b, heads, w] of each forward (broadcast dims are 1 for head-shared or input-independent
   gates; the mean and fractions of a broadcast tensor equal those of its expansion, so no expansion is needed).
 * F-Attn — the attention probability on key position 0, averaged over heads, batch and query positions >= 1
-  (query 0 can only attend to itself).
+  (query 0 can only attend to itself). With a softmax sink (core attention's `softmax_offset`: off-by-one,
+  learnable) the sink's exp(logit) is in every denominator, as in the model.
 * Sink^eps_1 (Gu et al., "When Attention Sink Emerges in Language Models", ICLR 2025) — the share of (sample,
   head) pairs whose mean attention on the first token, over all T query positions including the first, exceeds
   eps = 0.3, at T = 64 (their probe length; the reference code sail-sg/Attention-Sink averages the indicator over
@@ -190,7 +191,9 @@ class Probe:
             mask = args[3] if len(args) > 3 else kwargs.get("attention_mask")
             scale = softmax_scale(core, query.shape[-1])
             logits = attention_logits(query.detach(), key.detach(), scale, mask)
-            stats = attention_stats(logits, self.sink_epsilon, self.sink_length)
+            # a softmax sink (off-by-one, learnable) takes its share of every row: the probabilities the model uses
+            sink_logit = getattr(core, "softmax_offset", None)
+            stats = attention_stats(logits, self.sink_epsilon, self.sink_length, sink_logit)
             state.sink_hits += float(stats["sink_hits"])
             state.sink_pairs += float(stats["sink_pairs"])
             state.sink_length = int(stats["sink_length"])

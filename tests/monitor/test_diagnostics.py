@@ -9,6 +9,7 @@ import torch
 from helpers import tiny_model
 from megagate.monitor import diagnostics as D
 from megagate.monitor import tensorboard
+from megagate.monitor.attention_math import attention_probs
 
 SEQ = 24
 
@@ -78,6 +79,43 @@ def test_recomputed_attention_reproduces_core_attention_output(megatron_world):
     v = v.permute(1, 2, 0, 3).repeat_interleave(q.shape[2] // v.shape[2], dim=1)  # [b, np, sk, hn]
     out = (probs @ v).permute(2, 0, 1, 3).reshape(SEQ, 2, -1)
     torch.testing.assert_close(out, captured["out"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("softmax_type", ["off-by-one", "learnable"])
+def test_probe_probabilities_include_the_softmax_sink(megatron_world, softmax_type):
+    """With a softmax sink the probe's probabilities are the model's (the sink's share in every denominator):
+    probs·V == core attention's output, and the probe's F-Attn is the mean of exactly those probabilities."""
+    model = tiny_model.build("baseline", seed=3, softmax_type=softmax_type)
+    model.eval()
+    core = model.decoder.layers[0].self_attention.core_attention
+    if softmax_type == "learnable":
+        with torch.no_grad():  # clearly non-zero sink logits, one per head
+            core.softmax_offset.copy_(torch.tensor([-1.0, 0.5, 2.0, 4.0]))
+    captured = {}
+    h1 = core.register_forward_pre_hook(lambda m, a, k: captured.update(q=a[0], k=a[1], v=a[2]), with_kwargs=True)
+    h2 = core.register_forward_hook(lambda m, a, out: captured.update(out=out))
+    try:
+        with torch.no_grad():
+            model(tokens(), torch.arange(SEQ).expand(2, -1), None)
+    finally:
+        h1.remove(), h2.remove()
+    q, k, v = captured["q"], captured["k"], captured["v"]
+    logits = D.attention_logits(q, k, D.softmax_scale(core, q.shape[-1]))
+    probs = attention_probs(logits, core.softmax_offset)
+    assert float(probs.sum(-1).max()) < 1.0  # the rest of every row is on the sink
+    v = v.permute(1, 2, 0, 3).repeat_interleave(q.shape[2] // v.shape[2], dim=1)
+    out = (probs @ v).permute(2, 0, 1, 3).reshape(SEQ, 2, -1)
+    torch.testing.assert_close(out, captured["out"], atol=1e-5, rtol=1e-5)
+    diags = D.collect(model, tokens())
+    assert diags[0].f_attn == pytest.approx(float(probs[:, :, 1:, 0].mean()), rel=1e-5)
+    assert diags[0].f_attn < float(torch.softmax(logits, -1)[:, :, 1:, 0].mean())  # below the sink-free value
+
+
+def test_off_by_one_on_zero_logits_gives_one_over_i_plus_two():
+    logits = D.attention_logits(torch.zeros(6, 1, 2, 4), torch.zeros(6, 1, 2, 4), scale=1.0)
+    probs = attention_probs(logits, torch.zeros(2))  # query i: i + 1 keys and the sink, all at logit 0
+    expected = torch.tensor([1 / (i + 2) for i in range(6)])
+    torch.testing.assert_close(probs[0, 1, :, 0], expected)
 
 
 def test_zero_qkv_weights_give_known_answers(megatron_world):
