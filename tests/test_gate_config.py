@@ -26,7 +26,7 @@ def test_every_preset_is_valid_and_distinct():
         ),
         ({"position": "g5", "sharing": "head_shared"}, "gate.sharing='head_shared' is invalid with gate.position='g5'"),
         ({"combine": "additive", "activation": "sigmoid"}, "gate.combine='additive' with gate.activation='sigmoid'"),
-        ({"activation": "tanh"}, "gate.activation='tanh' is not one of sigmoid, silu, ns_sigmoid, identity"),
+        ({"activation": "tanh"}, "gate.activation='tanh' is not one of sigmoid, silu, ns_sigmoid, 2sigmoid, identity"),
         ({"sdpa_norm": "rmsnorm"}, "gate.sdpa_norm='rmsnorm' replaces the gate at the SDPA output"),
         (
             {"position": "none", "granularity": "headwise"},

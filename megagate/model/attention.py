@@ -8,6 +8,8 @@ Where each variant lives (shapes in megatron notation; `_p` = this tensor-parall
   rank applies it to its own heads, so its gradient is a partial sum over heads: without sequence parallelism the
   logits pass through `copy_to_tensor_model_parallel_region` (all-reduce in backward); with it the input is gathered
   along the sequence and the weight is marked `sequence_parallel` so megatron sums its gradient over TP.
+* head-specific gates reading a truncated input (`input_fraction` < 1): their own projection W [heads·w, k] over
+  X[..., :k], column-parallel with the heads (it cannot share linear_qkv's GEMM, which reads all h channels).
 * input-independent gates: a zero-initialised parameter [np_p, w] (TP-sharded with the heads), or [1, w] shared.
 * G5: a replicated projection W [h, h] applied to the output of `linear_proj` (its channels do not follow the head
   partition); under sequence parallelism each rank gates its own sequence chunk and the gradient is summed over TP.
@@ -162,10 +164,25 @@ class GatedSelfAttention(SelfAttention):
         # hidden_states reaching here are the raw residual: apply that same norm (per token, so on this rank's
         # sequence chunk under SP, before any gather).
         hidden_states = normed_input(self.linear_qkv, hidden_states)
+        if weight.shape[-1] < hidden_states.shape[-1]:  # gate.input_fraction < 1: the first k channels only
+            hidden_states = hidden_states[..., : weight.shape[-1]]
         if self.gate.position == "g5":
             # the output of linear_proj is this rank's sequence chunk under SP, and whole otherwise: so is the input
             return torch.nn.functional.linear(hidden_states, weight)
+        if entry.tp_axis == 0:  # per-head rows sharded with the heads (a head-specific gate outside linear_qkv)
+            return self._column_parallel_projection(hidden_states, weight)
         return self._replicated_projection(hidden_states, weight).unsqueeze(2)
+
+    def _column_parallel_projection(self, hidden_states: Tensor, weight: Tensor) -> Tensor:
+        """X W_p^T -> [sq, b, heads_p, w] with this rank's rows of a per-head projection, as megatron's
+        ColumnParallelLinear: the input gathered along the sequence under SP (backward: reduce-scatter), else copied
+        into the TP region (backward: the input gradient summed over the ranks' heads)."""
+        if self.config.sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, group=self.tp_group)
+        elif get_pg_size(self.tp_group) > 1:
+            hidden_states = copy_to_tensor_model_parallel_region(hidden_states, group=self.tp_group)
+        logits = torch.nn.functional.linear(hidden_states, weight)
+        return logits.view(*logits.shape[:2], -1, self.gate.width(self.config.kv_channels))
 
     def _replicated_projection(self, hidden_states: Tensor, weight: Tensor) -> Tensor:
         """X W^T with a TP-replicated weight whose scores each rank applies to its own heads."""

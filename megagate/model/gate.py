@@ -9,8 +9,12 @@ Positions:   g1 = SDPA output (per query head, before W_O)   g2 = value (per KV 
 Granularity: elementwise (one score per channel) | headwise (one score per head)
 Sharing:     head_specific | head_shared (one gate shared by all heads of the gated tensor)
 Combine:     multiplicative | additive
-Activation:  sigmoid | silu | ns_sigmoid (0.5 + 0.5·sigmoid, non-sparse) | identity
+Activation:  sigmoid | silu | ns_sigmoid (0.5 + 0.5·sigmoid, non-sparse) | 2sigmoid (2·sigmoid: a zero logit is
+             the identity) | identity
 Input:       query_dependent (X W) | input_independent (learned parameter, zero-initialised)
+Init:        normal (W drawn like the model's other weights) | zeros (W = 0: every score starts at act(0))
+Input width: input_fraction f in (0, 1]: the logits read only the first f·h channels of X (W is [·, f·h]); f < 1
+             takes the gate out of linear_qkv into a projection of its own (column-parallel with the heads)
 Non-gate SDPA-output baselines (`sdpa_norm`): rmsnorm (per-head RMSNorm, "SDPA GroupNorm") | silu (no parameters).
 Stability baseline: `sandwich_norm` (a norm on each sublayer output before the residual add).
 
@@ -35,6 +39,7 @@ POSITIONS = ("none", "g1", "g2", "g3", "g4", "g5")
 GRANULARITIES = ("elementwise", "headwise")
 SHARINGS = ("head_specific", "head_shared")
 INPUTS = ("query_dependent", "input_independent")
+INITS = ("normal", "zeros")
 SDPA_NORMS = ("none", "rmsnorm", "silu")
 
 
@@ -53,6 +58,8 @@ ACTIVATIONS: dict[str, Activation] = {
     "sigmoid": Activation(torch.sigmoid, positive=True),
     "silu": Activation(F.silu),
     "ns_sigmoid": Activation(lambda z: 0.5 + 0.5 * torch.sigmoid(z), positive=True),  # non-sparse: in (0.5, 1)
+    # in (0, 2), 2·σ(0) = 1: with zero-initialised weights a new gate leaves the layer unchanged
+    "2sigmoid": Activation(lambda z: 2.0 * torch.sigmoid(z), positive=True),
     "identity": Activation(lambda z: z),
 }
 
@@ -76,6 +83,8 @@ class GateConfig:
     combine: str = "multiplicative"
     activation: str = "sigmoid"
     input: str = "query_dependent"
+    init: str = "normal"
+    input_fraction: float = 1.0
     sdpa_norm: str = "none"
     sandwich_norm: bool = False
 
@@ -97,12 +106,24 @@ class GateConfig:
 
     @property
     def fused_rows(self) -> bool:
-        """Whether the gate projection is fused into linear_qkv (head-specific, query-dependent, per-head gates)."""
+        """Whether the gate projection is fused into linear_qkv (head-specific, query-dependent, per-head gates that
+        read the whole input: a truncated input cannot share linear_qkv's GEMM)."""
         return (
             self.position in QUERY_SIDE + KV_SIDE
             and self.sharing == "head_specific"
             and self.input == "query_dependent"
+            and self.input_fraction == 1
         )
+
+    def input_width(self, hidden_size: int) -> int:
+        """Channels of X the gate logits read: input_fraction · hidden_size, which must be a whole number >= 1."""
+        k = self.input_fraction * hidden_size
+        if not 1 <= round(k) <= hidden_size or abs(k - round(k)) > 1e-9:
+            raise ConfigError(
+                f"gate.input_fraction={self.input_fraction!r} gives {k:g} of hidden_size {hidden_size} gate inputs; "
+                f"input_fraction · hidden_size must be a whole number in 1..{hidden_size}"
+            )
+        return round(k)
 
     def width(self, head_dim: int) -> int:
         """Scores per head: head_dim for elementwise gates, 1 for headwise gates."""
@@ -113,6 +134,10 @@ class GateConfig:
             extra = [f"sdpa_norm={self.sdpa_norm}"] if self.sdpa_norm != "none" else []
         else:
             extra = [self.position, self.granularity, self.sharing, self.combine, self.activation, self.input]
+            if self.init != "normal":
+                extra.append(f"init={self.init}")
+            if self.input_fraction != 1:
+                extra.append(f"input_fraction={self.input_fraction:g}")
         if self.sandwich_norm:
             extra.append("sandwich_norm")
         return " ".join(extra) or "baseline"
@@ -127,6 +152,7 @@ def validate(gate: GateConfig) -> None:
         ("combine", COMBINES),
         ("activation", ACTIVATIONS),
         ("input", INPUTS),
+        ("init", INITS),
         ("sdpa_norm", SDPA_NORMS),
     ):
         value = getattr(gate, name)
@@ -134,6 +160,14 @@ def validate(gate: GateConfig) -> None:
             raise ConfigError(f"gate.{name}={value!r} is not one of {', '.join(allowed)}{did_you_mean(value, allowed)}")
     if not isinstance(gate.sandwich_norm, bool):
         raise ConfigError(f"gate.sandwich_norm={gate.sandwich_norm!r} must be true or false")
+    fraction = gate.input_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
+        raise ConfigError(f"gate.input_fraction={fraction!r} must be a number in (0, 1]")
+    if fraction != 1 and gate.input == "input_independent":
+        raise ConfigError(
+            f"gate.input_fraction={fraction!r} needs a query-dependent gate: gate.input='input_independent' reads no "
+            "input (leave input_fraction at 1)"
+        )
     if gate.position == "g5" and gate.granularity == "headwise":
         raise ConfigError(
             "gate.granularity='headwise' is invalid with gate.position='g5': G5 gates the hidden "
@@ -155,7 +189,7 @@ def validate(gate: GateConfig) -> None:
         defaults = GateConfig.__dataclass_fields__
         stray = [
             f"{f}={getattr(gate, f)!r}"
-            for f in ("granularity", "sharing", "combine", "activation", "input")
+            for f in ("granularity", "sharing", "combine", "activation", "input", "init", "input_fraction")
             if getattr(gate, f) != defaults[f].default
         ]
         if stray:
@@ -188,6 +222,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Table 4: input-independent gate
     "g1-input-independent": {"input": "input_independent"},
     "g1-headwise-input-independent": {"granularity": "headwise", "input": "input_independent"},
+    # Variants seen in practice (docs/gate_variants.md): 2·sigmoid, zero-initialised gate weights (the pair starts as
+    # the identity), and a gate reading only part of the hidden state
+    "g1-2sigmoid": {"activation": "2sigmoid"},
+    "g1-zero-init": {"init": "zeros"},
+    "g1-2sigmoid-zero-init": {"activation": "2sigmoid", "init": "zeros"},
+    "g1-input-half": {"input_fraction": 0.5},
     # Non-gate baselines at the SDPA output and the stability baseline
     "sdpa-rmsnorm": {"position": "none", "sdpa_norm": "rmsnorm"},
     "sdpa-silu": {"position": "none", "sdpa_norm": "silu"},

@@ -7,7 +7,8 @@
   megatron's TP attributes, `sequence_parallel` marks), and nothing else;
 * counting: `gate_parameter_count` (here) is the sum over the table (and so the dense models' FFN
   matching and `megagate variants`);
-* initialisation: `megagate.model.init` gives each gate parameter the table's rule (zeros / ones / normal);
+* initialisation: `megagate.model.init` gives each gate parameter the table's rule (zeros / ones / normal; fused
+  rows whose rule is zeros are zeroed inside linear_qkv's full tensor);
 * checkpointing: `GatedSelfAttention.sharded_state_dict` splits the TP-sharded entries along their axis.
 
 Pure arithmetic on shapes: no megatron, no tensors.
@@ -85,9 +86,9 @@ class GateParam:
             return self.shape
         if self.shape[self.tp_axis] % tp_size:
             raise ConfigError(
-                f"gate parameter {self.name} {list(self.shape)} has {self.shape[self.tp_axis]} rows (one per KV group) "
-                f"that tensor_model_parallel_size ({tp_size}) cannot split; use num_query_groups a multiple of TP "
-                "or an input-dependent gate"
+                f"gate parameter {self.name} {list(self.shape)} has {self.shape[self.tp_axis]} rows (per KV group) "
+                f"that tensor_model_parallel_size ({tp_size}) cannot split; use num_query_groups a multiple of TP"
+                + (" or an input-dependent gate" if self.role == "logits" else "")
             )
         shape = list(self.shape)
         shape[self.tp_axis] //= tp_size
@@ -110,20 +111,27 @@ def score_parameter(name: str, gate: GateConfig, dims: Dims, init: str, role: st
 
 
 def _logit_parameters(gate: GateConfig, dims: Dims) -> list[GateParam]:
-    """Where the gate's logits come from."""
-    h = dims.hidden_size
+    """Where the gate's logits come from. A projection reads the first k = input_fraction·h channels of X (k = h by
+    default) and starts as the gate's `init` (normal, or zeros: every score starts at act(0))."""
+    h, init = dims.hidden_size, gate.init
     if gate.input == "input_independent":
         return [score_parameter("gate_param", gate, dims, "zeros", "logits")]
+    k = gate.input_width(h)
     if gate.position == "g5":
         # X W at the hidden width; under SP each rank gates its own sequence chunk
-        return [GateParam("output_gate_weight", (h, h), None, "normal", "projection", sequence_parallel_grad=True)]
+        return [GateParam("output_gate_weight", (h, k), None, init, "projection", sequence_parallel_grad=True)]
+    width = gate.width(dims.head_dim)
     if gate.sharing == "head_shared":
         # one projection for every head; with SP the input is gathered along the sequence and each rank applies the
         # scores to its heads, so megatron sums the gradient over TP (without SP the logits' copy_to region does)
-        width = gate.width(dims.head_dim)
-        return [GateParam("shared_gate_weight", (width, h), None, "normal", "projection", sequence_parallel_grad=True)]
+        return [GateParam("shared_gate_weight", (width, k), None, init, "projection", sequence_parallel_grad=True)]
+    if not gate.fused_rows:
+        # a truncated input (k < h) cannot share linear_qkv's GEMM: its own projection, per head, column-parallel
+        # (sharded with the heads: each rank holds its heads' rows, so its gradient needs no TP reduction)
+        heads = dims.num_heads if gate.on_query_heads else dims.num_groups
+        return [GateParam("gate_weight", (heads * width, k), 0, init, "projection")]
     rows = qkv_layout(gate, dims.num_heads, dims.num_groups, dims.head_dim).gate_rows
-    return [GateParam("linear_qkv.weight", (rows, h), 0, "normal", "qkv_rows")]
+    return [GateParam("linear_qkv.weight", (rows, h), 0, init, "qkv_rows")]
 
 
 # Parameters an activation brings along, by activation name: each callable returns the entries (role "activation")

@@ -7,7 +7,9 @@ checkpoint written under one layout means the same model under another.
 
 Every parameter gets its value from exactly one explicit rule, and a parameter that no rule covers is an error:
 
-* gate parameters: the rule of their entry in the gate table (megagate.model.gate_params), per attention module;
+* gate parameters: the rule of their entry in the gate table (megagate.model.gate_params), per attention module
+  (gate rows fused into linear_qkv whose rule is zeros: linear_qkv's draw with those rows of the full tensor zeroed,
+  so the other rows are the default init's, and every TP size gets the same weights);
 * `RULES` below, matched on the parameter's name: megatron's initialisation, normal(0, σ) for weights, σ/√(2L) for
   the output projections of each sublayer (`linear_proj`, `linear_fc2`), ones for norm weights, zeros for biases.
 
@@ -28,6 +30,7 @@ import torch
 
 from megagate.model.attention import GatedSelfAttention
 from megagate.model.gate_params import GateParam
+from megagate.model.qkv_layout import qkv_layout
 
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
 # SequentialMLP's and TorchGroupedMLP's experts: `...mlp.experts.local_experts.<local index>.linear_fc{1,2}.weight`
@@ -116,18 +119,30 @@ def _global_name(name: str, chunk: torch.nn.Module, ep_rank: int) -> str:
     return name
 
 
-def _gate_entries(chunk: torch.nn.Module) -> dict[str, GateParam]:
-    """{parameter name in `chunk`: its gate-table entry} for every gate parameter built as its own tensor."""
-    entries = {}
+def _gate_entries(chunk: torch.nn.Module) -> tuple[dict[str, GateParam], dict[str, torch.Tensor]]:
+    """({parameter name in `chunk`: its gate-table entry} for every gate parameter built as its own tensor,
+    {linear_qkv weight name: the full-tensor indices of its fused gate rows} where those rows start at zero)."""
+    entries, zero_rows = {}, {}
     for prefix, module in chunk.named_modules():
         if isinstance(module, GatedSelfAttention):
             for entry in module.gate_params:
                 if not entry.in_linear_qkv:
                     entries[f"{prefix}.{entry.name}" if prefix else entry.name] = entry
+                elif entry.init == "zeros":
+                    # drawn with the rest of linear_qkv, then the gate rows of the full tensor set to zero
+                    zero_rows[f"{prefix}.linear_qkv.weight"] = _fused_gate_rows(module)
                 elif rule_for(f"{prefix}.linear_qkv.weight").init != entry.init:
                     # fused rows are drawn with the rest of linear_qkv: the table must not promise another value
                     raise ValueError(f"{prefix}: fused gate rows want init={entry.init!r}, linear_qkv gives another")
-    return entries
+    return entries, zero_rows
+
+
+def _fused_gate_rows(module: GatedSelfAttention) -> torch.Tensor:
+    """Indices of the gate rows in the full (unsharded) linear_qkv weight of `module`."""
+    cfg = module.config
+    full = qkv_layout(module.gate, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels)
+    keys = full.row_keys()
+    return torch.tensor([i for i, key in enumerate(keys) if key[0] in ("q_gate", "kv_gate")], dtype=torch.long)
 
 
 def _full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
@@ -215,7 +230,7 @@ def initialize(model_chunks: list[torch.nn.Module], seed: int, std: float, num_l
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     count = 0
     for chunk in model_chunks:
-        gate_entries = _gate_entries(chunk)
+        gate_entries, zero_rows = _gate_entries(chunk)
         sections = _gdn_sections(chunk)
         zero_centered = bool(getattr(getattr(chunk, "config", None), "layernorm_zero_centered_gamma", False))
         for name, param in chunk.named_parameters():
@@ -224,6 +239,8 @@ def initialize(model_chunks: list[torch.nn.Module], seed: int, std: float, num_l
             global_name = _global_name(name, chunk, ep_rank)
             shape = _full_shape(param, size)
             full = initial_value(global_name, shape, seed, std, num_layers, gate_entries.get(name), zero_centered)
+            if name in zero_rows:  # gate.init='zeros' on rows fused into linear_qkv
+                full[zero_rows[name]] = 0.0
             # the global name decides the SwiGLU split: TE's `linear_fc1.weight<i>` is a SwiGLU fc1 too
             param.copy_(_shard(full, global_name, param, rank, size, glu, sections.get(name)).to(param.dtype))
             count += 1

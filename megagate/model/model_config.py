@@ -122,6 +122,8 @@ class ModelConfig:
                 f"model.num_query_groups ({self.num_query_groups})"
             )
         hybrid.check_pattern(self)
+        if self.gate.enabled and self.gate.input == "query_dependent":
+            self.gate.input_width(self.hidden_size)  # input_fraction · hidden_size must be a whole number
         if self.softmax_type not in SOFTMAX_TYPES:
             hint = did_you_mean(str(self.softmax_type), SOFTMAX_TYPES)
             raise ConfigError(

@@ -169,9 +169,11 @@ def layer_work(w: Workload) -> LayerWork:
     out.add_bytes("norms", norm * Tsp * h + 4 * Tsp)
     out.gemms.append(Gemm("linear_qkv", T, ((n + 2 * g) * d + gate_rows) / t, h, p))
     for e in gate_entries:
-        if not e.in_linear_qkv and e.role == "projection":  # G5's [h, h] and a head-shared gate's [w, h]
-            rows = e.shape[0]
-            out.gemms.append(Gemm("gate projection", Tsp if m.gate.position == "g5" else T, rows, h, p))
+        if not e.in_linear_qkv and e.role == "projection":
+            # G5's [h, k], a head-shared gate's [w, k] (replicated), a truncated-input gate's [heads·w, k] (per rank
+            # its heads' rows); k = input_fraction·h
+            rows, k = e.local_shape(t)
+            out.gemms.append(Gemm("gate projection", Tsp if m.gate.position == "g5" else T, rows, k, p))
     if m.qk_layernorm:
         out.add_bytes("q/k norms", norm * T * (n + g) / t * d)
     out.add_bytes("rotary", 2 * a * T * (n + g) / t * d)

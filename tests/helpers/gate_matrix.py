@@ -35,8 +35,33 @@ HEADS, HEAD_DIM, HIDDEN, SEQ, BATCH = 8, 8, 32, 6, 2
 LAYOUTS = {"mha": 8, "gqa4": 4, "gqa2": 2, "mqa": 1}  # KV groups of the 8 query heads
 BACKENDS = ("local", "sdpa", "fused-norm")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# the attention-level presets (a sandwich norm changes the layer's residual adds, not the attention)
-VARIANTS = [name for name, fields in gates.PRESETS.items() if not fields.get("sandwich_norm")]
+# Gates that are no preset but whose code path no preset takes: a truncated gate input (input_fraction) at every
+# position and sharing (the preset g1-input-half covers G1 head-specific only).
+EXTRA_GATES: dict[str, dict[str, Any]] = {
+    # (G4/G3 headwise would be cancelled by the QK RMSNorm that follows: a gradient of ~0 compares to nothing)
+    "g4-elementwise-input-half": {"position": "g4", "input_fraction": 0.5},
+    "g2-headwise-input-quarter": {"position": "g2", "granularity": "headwise", "input_fraction": 0.25},
+    "g1-head-shared-input-half": {"sharing": "head_shared", "input_fraction": 0.5},
+    "g5-input-half": {"position": "g5", "input_fraction": 0.5},
+}
+# the attention-level presets (a sandwich norm changes the layer's residual adds, not the attention; gate.init only
+# changes the starting weights, which every cell here replaces: tests/model/test_gate_practice.py checks it)
+VARIANTS = [
+    name
+    for name, fields in gates.PRESETS.items()
+    if not fields.get("sandwich_norm") and fields.get("init", "normal") == "normal"
+]
+
+MATRIX = [*VARIANTS, *EXTRA_GATES]  # every cell's gate
+
+
+def gate_of(variant: str) -> gates.GateConfig:
+    """The GateConfig of a preset or of one of EXTRA_GATES."""
+    if variant in EXTRA_GATES:
+        return gates.GateConfig(**EXTRA_GATES[variant])
+    return gates.preset(variant)
+
+
 MEGATRON_GATE = "g1-elementwise"  # what megatron's attention_output_gate computes
 # Tolerances against the fp64 reference, relative to the largest |value| of the compared tensor (measured on this
 # matrix, see docs/gate_variants.md "What G1 equals"): fp32 rounding, and bf16's 8-bit mantissa through a dozen
@@ -48,7 +73,7 @@ NORM_W = "linear_qkv.layer_norm_weight"
 def model_for(variant: str, groups: int):
     return model_preset(
         "tiny",
-        gate=gates.preset(variant),
+        gate=gate_of(variant),
         num_attention_heads=HEADS,
         num_query_groups=groups,
         head_dim=HEAD_DIM,
@@ -84,7 +109,7 @@ def build_megatron(groups: int, backend: str, dtype: torch.dtype, tp: int = 1):
 
 def reference_weights(variant: str, groups: int, backend: str, seed: int = 7) -> dict[str, torch.Tensor]:
     """fp64 leaf weights of the reference (plus the fused norm's weight for the fused-norm backend)."""
-    w = reference.make_weights(gates.preset(variant), HIDDEN, HEADS, groups, HEAD_DIM, seed=seed)
+    w = reference.make_weights(gate_of(variant), HIDDEN, HEADS, groups, HEAD_DIM, seed=seed)
     if backend == "fused-norm":
         gen = torch.Generator().manual_seed(seed + 1)
         w["ln"] = (1 + 0.3 * torch.randn(HIDDEN, generator=gen, dtype=torch.float64)).requires_grad_()
@@ -93,7 +118,7 @@ def reference_weights(variant: str, groups: int, backend: str, seed: int = 7) ->
 
 def full_params(w: dict[str, torch.Tensor], variant: str, groups: int) -> dict[str, torch.Tensor]:
     """The module's parameter dict (full, unsharded) for reference weights."""
-    params = reference.module_params(w, gates.preset(variant), HEADS, groups)
+    params = reference.module_params(w, gate_of(variant), HEADS, groups)
     if "ln" in w:
         params[NORM_W] = w["ln"]
     return params
@@ -113,17 +138,17 @@ def reference_run(variant: str, groups: int, backend: str, eps: float) -> dict[s
     h = x
     if "ln" in w:  # the fused norm of TE's layer shape, in front of the attention
         h = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w["ln"]
-    out = reference.attention(h, w, gates.preset(variant), HEADS, groups, eps)
+    out = reference.attention(h, w, gate_of(variant), HEADS, groups, eps)
     out.backward(grad)
     params = full_params(w, variant, groups)
     # module_params fuses q/k/v/gate rows with torch.cat (differentiable): the fused gradient is the cat of grads
-    fused = reference.fuse_qkv(
-        {k: v.grad for k, v in w.items() if v.grad is not None}, gates.preset(variant), HEADS, groups
-    )
+    fused = reference.fuse_qkv({k: v.grad for k, v in w.items() if v.grad is not None}, gate_of(variant), HEADS, groups)
     grads = {}
     for name, p in params.items():
         if name == "linear_qkv.weight":
             grads[name] = fused
+        elif name == "gate_weight":  # the per-head gate projection, reshaped from w["g"] (heads in order)
+            grads[name] = w["g"].grad.reshape(p.shape)
         else:
             source = {id(v): v for v in w.values()}[id(p)]
             grads[name] = source.grad
@@ -216,8 +241,11 @@ def tolerance(dtype_name: str, tensor: str) -> float:
 def refused_under_tp(variant: str, groups: int, tp: int) -> bool:
     """Cells megagate refuses (megatron has no such gate): a gate row per KV group fused into linear_qkv when fewer
     groups than TP ranks share it — the group's row count (npg·hn + 2·hn + 1, headwise) is odd, so TP cannot split
-    the projection evenly, which megatron's replicated-group path requires."""
-    gate = gates.preset(variant)
+    the projection evenly, which megatron's replicated-group path requires; and a truncated-input G2/G3 gate, whose
+    own per-KV-group projection rows TP cannot split when ranks share a group."""
+    gate = gate_of(variant)
+    if groups < tp and gate.on_kv_heads and gate.sharing == "head_specific" and not gate.fused_rows:
+        return True  # a parameter per KV group (gate_weight of a truncated-input gate) cannot follow a shared group
     return groups < tp and gate.on_kv_heads and gate.fused_rows and gate.granularity == "headwise"
 
 

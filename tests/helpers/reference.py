@@ -19,6 +19,8 @@ def activation(z: torch.Tensor, name: str) -> torch.Tensor:
         return z * torch.sigmoid(z)
     if name == "ns_sigmoid":
         return 0.5 + 0.5 * torch.sigmoid(z)
+    if name == "2sigmoid":
+        return 2.0 / (1.0 + torch.exp(-z))
     assert name == "identity"
     return z
 
@@ -33,9 +35,23 @@ def rms(y: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y / torch.sqrt((y * y).mean(-1, keepdim=True) + eps) * w
 
 
+def gate_inputs(gate, h: int) -> int:
+    """k: the gate reads x[..., :k], k = input_fraction · h (all of x by default)."""
+    k = getattr(gate, "input_fraction", 1.0) * h
+    assert k == int(k) and 0 < k <= h, k
+    return int(k)
+
+
+def fused_gate(gate) -> bool:
+    """A head-specific query-dependent G1-G4 gate over the whole input is rows of linear_qkv; over a truncated input
+    it is a projection of its own ("gate_weight", [heads·w, k], heads in order)."""
+    return getattr(gate, "input_fraction", 1.0) == 1.0
+
+
 def make_weights(gate, h: int, n: int, g: int, d: int, seed: int = 0, dtype=torch.float64) -> dict[str, torch.Tensor]:
     """Random per-head weights for every tensor the variant uses (leaf tensors requiring grad)."""
     gen = torch.Generator().manual_seed(seed)
+    k = gate_inputs(gate, h)
 
     def rand(*shape, scale=None):
         scale = scale if scale is not None else 1.0 / math.sqrt(shape[-1])
@@ -55,14 +71,14 @@ def make_weights(gate, h: int, n: int, g: int, d: int, seed: int = 0, dtype=torc
         if gate.input == "input_independent":
             w["p"] = rand(1 if gate.sharing == "head_shared" else heads, width, scale=1.0)
         elif gate.sharing == "head_shared":
-            w["gs"] = rand(width, h, scale=2.0 / math.sqrt(h))
+            w["gs"] = rand(width, k, scale=2.0 / math.sqrt(k))
         else:
-            w["g"] = rand(heads, width, h, scale=2.0 / math.sqrt(h))
+            w["g"] = rand(heads, width, k, scale=2.0 / math.sqrt(k))
     if gate.position == "g5":
         if gate.input == "input_independent":
             w["p"] = rand(1, h, scale=1.0)
         else:
-            w["g5"] = rand(h, h, scale=2.0 / math.sqrt(h))
+            w["g5"] = rand(h, k, scale=2.0 / math.sqrt(k))
     if gate.sdpa_norm == "rmsnorm":
         w["sn"] = (1 + 0.1 * torch.randn(n, d, generator=gen, dtype=dtype)).requires_grad_()
     return w
@@ -75,10 +91,10 @@ def fuse_qkv(w: dict[str, torch.Tensor], gate, n: int, g: int) -> torch.Tensor:
     for grp in range(g):
         heads = range(grp * npg, (grp + 1) * npg)
         rows += [w["q"][i] for i in heads]
-        if "g" in w and gate.position in ("g1", "g4"):
+        if "g" in w and fused_gate(gate) and gate.position in ("g1", "g4"):
             rows += [w["g"][i] for i in heads]
         rows += [w["k"][grp], w["v"][grp]]
-        if "g" in w and gate.position in ("g2", "g3"):
+        if "g" in w and fused_gate(gate) and gate.position in ("g2", "g3"):
             rows += [w["g"][grp]]
     return torch.cat([r.reshape(-1, h) for r in rows], dim=0)
 
@@ -91,6 +107,8 @@ def module_params(w: dict[str, torch.Tensor], gate, n: int, g: int) -> dict[str,
         "q_layernorm.weight": w["qn"],
         "k_layernorm.weight": w["kn"],
     }
+    if "g" in w and not fused_gate(gate):
+        params["gate_weight"] = w["g"].reshape(-1, w["g"].shape[-1])
     if "gs" in w:
         params["shared_gate_weight"] = w["gs"]
     if "p" in w:
@@ -108,6 +126,7 @@ def attention(
     """x: [s, b, h] -> [s, b, h]; causal GQA attention with QK RMSNorm and the gate of `gate` (see `gated`)."""
     s, b, h = x.shape
     d = w["q"].shape[1]
+    xg = x[..., : gate_inputs(gate, h)]  # what the gate projection reads
     q = torch.einsum("sbh,ndh->sbnd", x, w["q"])
     k = torch.einsum("sbh,gdh->sbgd", x, w["k"])
     v = torch.einsum("sbh,gdh->sbgd", x, w["v"])
@@ -116,8 +135,8 @@ def attention(
         if "p" in w:
             return w["p"].expand(heads, -1)[None, None] if w["p"].shape[0] == 1 else w["p"][None, None]
         if "gs" in w:
-            return torch.einsum("sbh,wh->sbw", x, w["gs"])[:, :, None, :]
-        return torch.einsum("sbh,nwh->sbnw", x, w["g"])
+            return torch.einsum("sbh,wh->sbw", xg, w["gs"])[:, :, None, :]
+        return torch.einsum("sbh,nwh->sbnw", xg, w["g"])
 
     if gate.position == "g4":
         q = gated(q, gate_logits(n), gate, score_fn)
@@ -140,6 +159,6 @@ def attention(
         y = y * torch.sigmoid(y)
     out = y.reshape(s, b, n * d) @ w["o"].T
     if gate.position == "g5":
-        z = w["p"] if "p" in w else x @ w["g5"].T
+        z = w["p"] if "p" in w else xg @ w["g5"].T
         out = gated(out, z, gate, score_fn)
     return out

@@ -25,7 +25,7 @@ def _failures(key, errors: dict[str, float], exact: float | None) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("variant", gm.VARIANTS)
+@pytest.mark.parametrize("variant", gm.MATRIX)
 def test_every_layout_backend_and_dtype_at_tp1(megatron_world, variant):
     bad = []
     for lay, groups in gm.LAYOUTS.items():
@@ -71,10 +71,10 @@ def test_the_tolerances_catch_a_wrong_gate_row(megatron_world):
 def test_every_cell_at_tp2_in_one_process_pair(tmp_path):
     from helpers import distributed
 
-    results = distributed.run(gm.matrix_worker, 2, tmp_path, gm.VARIANTS)
+    results = distributed.run(gm.matrix_worker, 2, tmp_path, gm.MATRIX)
     bad, refused = [], set()
     for rank, cells in enumerate(results):
-        assert len(cells) == len(gm.VARIANTS) * len(gm.LAYOUTS) * len(gm.BACKENDS) * len(gm.DTYPES)
+        assert len(cells) == len(gm.MATRIX) * len(gm.LAYOUTS) * len(gm.BACKENDS) * len(gm.DTYPES)
         for key, result in cells.items():
             if isinstance(result, str):
                 refused.add(key[:2])
@@ -82,8 +82,8 @@ def test_every_cell_at_tp2_in_one_process_pair(tmp_path):
                 continue
             bad += _failures((rank, *key), *result)
     assert not bad, "\n".join(bad)
-    expected = {(v, lay) for v in gm.VARIANTS for lay, g in gm.LAYOUTS.items() if gm.refused_under_tp(v, g, 2)}
-    assert refused == expected and expected  # g2/g3 headwise on MQA, nothing else
+    expected = {(v, lay) for v in gm.MATRIX for lay, g in gm.LAYOUTS.items() if gm.refused_under_tp(v, g, 2)}
+    assert refused == expected and expected  # g2/g3 headwise and truncated-input g2 on MQA, nothing else
 
 
 def test_refusals_are_one_line_before_building():
