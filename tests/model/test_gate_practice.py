@@ -130,6 +130,7 @@ def test_tp2_model_equals_tp1(tmp_path):
     for rank_result in distributed.run(parallel_workers.tp_worker, 2, tmp_path, variants):
         assert len(rank_result) == len(variants)
         for variant, diff in rank_result.items():
+            print(f"{variant}: |loss TP2 - TP1| {diff['loss']:.2e}, max |grad Δ| {diff['grad']:.2e}")  # pytest -s
             assert diff["loss"] < 1e-5, (variant, diff)
             assert diff["grad"] < 1e-5 * max(1.0, diff["grad_scale"]), (variant, diff)
             assert diff["checkpoint"] == [], (variant, diff)

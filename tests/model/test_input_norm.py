@@ -160,7 +160,13 @@ def test_fused_norm_initialises_to_identity(megatron_world):
 
 
 # --- sequence parallelism: the norm runs on this rank's chunk, before the gate's gather ------------------------------
-SP_VARIANTS = ["g1-elementwise-head-shared", "g2-elementwise-head-shared", "g5-elementwise", "g1-elementwise"]
+SP_VARIANTS = [
+    "g1-elementwise-head-shared",
+    "g2-elementwise-head-shared",
+    "g5-elementwise",
+    "g1-elementwise",
+    "g1-input-half",  # its own column-parallel gate projection: the input gathered along the sequence
+]
 
 
 def sp_worker(rank: int, world: int, variants: list[str]) -> dict[str, dict[str, float]]:
