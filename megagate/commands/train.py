@@ -44,7 +44,8 @@ def describe(setup: RunSetup) -> str:
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}/{m.num_query_groups} "
         f"x {m.head_dim}, FFN {m.effective_ffn_hidden_size}"
         + (f", MoE {m.num_experts} experts top-{m.moe_router_topk} (FFN {m.moe_ffn_hidden_size})" if m.is_moe else ""),
-        f"gate: {m.gate.describe()}",
+        f"gate: {m.gate.describe()}"
+        + (f"; softmax {m.softmax_type} (a sink in every softmax)" if m.softmax_type != "vanilla" else ""),
         f"parameters: {counts['total']:,} total, {counts['active']:,} active, {counts['gate']:,} in gates",
         f"FLOPs per token (training): {flops:,.0f}",
         f"parallel: world {layout.world_size} = TP {layout.tp} x PP {layout.pp} x CP {layout.cp} x DP {layout.dp}; "

@@ -95,6 +95,9 @@ def _problem(model: ModelConfig, fmt: str) -> str | None:
         return f"model.num_experts=0: the {fmt} format holds MoE models (use {dense} for dense)"
     if model.normalization != "RMSNorm":
         return f"model.normalization={model.normalization!r}: the {fmt} format uses RMSNorm"
+    if model.softmax_type != "vanilla":
+        # GPT-OSS's per-head `sinks` is the Hugging Face home of a learnable sink; none of megagate's formats has one
+        return f"model.softmax_type={model.softmax_type!r}: the {fmt} format has no attention sink (vanilla only)"
     if hybrid.is_hybrid(model) and fmt not in GATED:
         return f"model.layer_pattern={model.layer_pattern!r}: the {fmt} format has no Gated DeltaNet layers"
     shared = model.moe_shared_expert_intermediate_size

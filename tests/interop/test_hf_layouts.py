@@ -123,6 +123,8 @@ def test_formats_for_each_variant():
         ("baseline", "qwen3", {"norm_zero_centered": True}, ("norm_zero_centered=true", "none")),
         ("g1-elementwise", "qwen3_next", {}, ("norm_zero_centered=false", "paper")),
         ("baseline", "qwen3", {"rotary_percent": 0.5}, ("rotary_percent=0.5", "none")),
+        ("baseline", "qwen3", {"softmax_type": "learnable"}, ("softmax_type='learnable'", "no attention sink", "none")),
+        ("g1-elementwise", "paper", {"softmax_type": "off-by-one"}, ("softmax_type='off-by-one'", "none")),
         (
             "baseline",
             "qwen3",

@@ -200,3 +200,13 @@ def test_dry_run_shows_the_z_loss_only_when_on(capsys):
     assert "z-loss 0.0001 (train/z_loss, not in train/loss)" in capsys.readouterr().out
     assert main(base) == 0
     assert "z-loss" not in capsys.readouterr().out
+
+
+def test_dry_run_shows_a_softmax_sink_only_when_on(capsys):
+    from megagate.cli import main
+
+    base = ["train", "--dry-run", "--config", str(T.CONFIG), "data.mock=true", "data.demo=false"]
+    assert main([*base, "model.softmax_type=learnable"]) == 0
+    assert "softmax learnable (a sink in every softmax)" in capsys.readouterr().out
+    assert main(base) == 0
+    assert "softmax" not in capsys.readouterr().out.split("gate:")[1].splitlines()[0]
