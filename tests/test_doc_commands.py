@@ -15,40 +15,18 @@ from pathlib import Path
 
 import pytest
 
+from helpers.doc_blocks import shell_blocks
 from megagate import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```(\w*)\s*$")
 INLINE = re.compile(r"`(megagate [^`]+)`")
 LAUNCHER = re.compile(r"^(?:\$ )?(?:.*\s)?(?:-m |(?<![\w/.-]))megagate(?=\s)")
 
 
-def _strip_comment(line: str) -> str:
-    """The line without a trailing `# comment` (a `#` inside a word, as in nvcr.io#nvidia, is kept)."""
-    return re.split(r"(?:^|\s)#(?=\s|$)", line, maxsplit=1)[0].rstrip()
-
-
 def shell_lines(text: str) -> list[tuple[int, str]]:
     """(line number, command) of each fenced block line that runs megagate."""
-    found, block, joined, start = [], None, "", 0
-    for number, raw in enumerate(text.splitlines(), 1):
-        fence = FENCE.match(raw.strip())
-        if fence:
-            block = None if block is not None else fence[1]
-            continue
-        if block is None or block not in ("", "bash", "sh", "shell", "console"):
-            continue
-        line = _strip_comment(raw)
-        if not joined:
-            start = number
-        if line.endswith("\\"):
-            joined += line[:-1] + " "
-            continue
-        joined += line
-        found.append((start, joined.strip()))
-        joined = ""
-    return [(n, c) for n, c in found if LAUNCHER.search(c)]
+    return [(n, c) for block in shell_blocks(text) for n, c in block if LAUNCHER.search(c)]
 
 
 def commands() -> list[tuple[str, str]]:

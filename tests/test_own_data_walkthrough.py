@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from helpers.doc_blocks import shell_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Your own data: from JSONL to a compared result"
@@ -23,17 +24,7 @@ SHORT_TRAIN = ["train.train_steps=4", "train.warmup_steps=1", "train.eval_interv
 def walkthrough() -> list[str]:
     """The walk-through block's command lines (continuations joined, comments dropped), in order."""
     text = (ROOT / "docs" / "data.md").read_text()
-    section = text[text.index(SECTION) :]
-    block = section[section.index("```bash") : section.index("```\n", section.index("```bash") + 7) + 4]
-    lines, joined = [], ""
-    for raw in block.splitlines()[1:-1]:
-        line = re.split(r"(?:^|\s)#(?=\s|$)", raw, maxsplit=1)[0].rstrip()
-        joined += line[:-1] + " " if line.endswith("\\") else line
-        if not line.endswith("\\"):
-            if joined.strip():
-                lines.append(joined.strip())
-            joined = ""
-    return lines
+    return [command for _, command in shell_blocks(text[text.index(SECTION) :])[0]]
 
 
 def test_the_block_is_the_one_documented() -> None:
