@@ -188,3 +188,16 @@ def test_local_core_attention_with_a_sink_is_refused_without_cuda(megatron_world
     with pytest.raises(ConfigError, match="needs CUDA") as err:
         build_gpt_model(sink, transformer_config(sink), core_attention="local")
     assert "\n" not in str(err.value)
+
+
+def test_learnable_sink_saves_and_resumes_bit_identically(tmp_path, session_demo_dir):
+    """Through megagate's distributed checkpoint (the distributed optimizer's shards included): the offset trains,
+    so a resume that re-drew it instead of loading it would move the losses after the restart."""
+    from helpers import tiny_runs as T
+
+    sink = ["model.softmax_type=learnable", "train.train_steps=4", "train.warmup_steps=1"]
+    T.run_train(tmp_path / "whole", session_demo_dir, *sink)
+    T.run_train(tmp_path / "resumed", session_demo_dir, *sink, "train.exit_after_steps=2")
+    T.run_train(tmp_path / "resumed", session_demo_dir, *sink)
+    whole, resumed = T.losses(tmp_path / "whole"), T.losses(tmp_path / "resumed")
+    assert sorted(whole) == [1, 2, 3, 4] and [resumed[s] for s in (3, 4)] == [whole[s] for s in (3, 4)]
