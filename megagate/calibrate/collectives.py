@@ -145,7 +145,7 @@ def measure(ranks: int, reps: int = 7, timeout: float = 120.0) -> dict | None:
                     init_file,
                     result_file,
                     str(reps),
-                ],  # fmt: skip
+                ],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=logs[r],

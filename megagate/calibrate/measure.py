@@ -127,12 +127,21 @@ def attention_samples(kernel: str, dtype: str, until: float) -> list[tuple[int, 
         if time.perf_counter() > until and len(out) >= 4:
             break
         raw = {
-            "model": {"preset": "tiny", "num_layers": 1, "hidden_size": heads * d, "num_attention_heads": heads,
-                      "num_query_groups": heads, "head_dim": d, "ffn_hidden_size": 4 * heads * d,
-                      "vocab_size": 128, "max_sequence_length": s, "gate": {"preset": "baseline"}},
+            "model": {
+                "preset": "tiny",
+                "num_layers": 1,
+                "hidden_size": heads * d,
+                "num_attention_heads": heads,
+                "num_query_groups": heads,
+                "head_dim": d,
+                "ffn_hidden_size": 4 * heads * d,
+                "vocab_size": 128,
+                "max_sequence_length": s,
+                "gate": {"preset": "baseline"},
+            },
             "train": {"micro_batch_size": b, "global_batch_size": b, "seq_length": s, "precision": dtype},
             "data": {"mock": True},
-        }  # fmt: skip
+        }
         setup = resolve(config_reader.from_dict(raw, environment=False), 1)
         # the unfused softmax: megatron's fused kernel needs apex's scaled_masked_softmax_cuda
         config = setup.transformer_config(masked_softmax_fusion=False)

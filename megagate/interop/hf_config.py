@@ -416,9 +416,18 @@ def model_config_from_hf(config: Mapping[str, Any]) -> tuple[ModelConfig, str]:
 
 def same_architecture(a: ModelConfig, b: ModelConfig) -> bool:
     """Whether two ModelConfigs build the same model (dense FFN compared as built, training-only fields ignored)."""
-    ignore = {"match_baseline_params", "ffn_multiple", "ffn_hidden_size", "init_method_std", "moe_aux_loss_coeff",
-              "moe_z_loss_coeff", "moe_load_balancing", "recompute_granularity", "recompute_method",
-              "recompute_num_layers"}  # fmt: skip
+    ignore = {
+        "match_baseline_params",
+        "ffn_multiple",
+        "ffn_hidden_size",
+        "init_method_std",
+        "moe_aux_loss_coeff",
+        "moe_z_loss_coeff",
+        "moe_load_balancing",
+        "recompute_granularity",
+        "recompute_method",
+        "recompute_num_layers",
+    }
     fields = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ignore]
     # a MoE model builds no dense MLP: its dense width (absent from a Qwen3.5-MoE config.json) does not count
     return all(getattr(a, f) == getattr(b, f) for f in fields) and (

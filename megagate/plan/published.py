@@ -62,8 +62,13 @@ def megatron_flops_per_token(model: ModelConfig, seq: int, formula: str = "megat
     * "megatron-lm-2024" (the README's GPT table, commit f2e5db402c): the same with the full (not causal) core
       attention, 4·s·q (its 12·L·h²·(s/h)·(q/h) term).
     """
-    h, n, g, d, L = (model.hidden_size, model.num_attention_heads, model.num_query_groups, model.head_dim,
-                     model.num_layers)  # fmt: skip
+    h, n, g, d, L = (
+        model.hidden_size,
+        model.num_attention_heads,
+        model.num_query_groups,
+        model.head_dim,
+        model.num_layers,
+    )
     q, kv = n * d, g * d
     if model.is_moe:
         mlp = 6 * h * model.moe_ffn_hidden_size * model.moe_router_topk
