@@ -170,7 +170,7 @@ CASES = [
         1,
         "data.demo=true and data.blend name two data sources: set data.demo=false to train on data.blend",
     ),
-    ("did-you-mean-key", None, ["train.learning_rate=1e-3"], 1, 1, "wsd_decay_steps; did you mean 'lr'?"),
+    ("did-you-mean-key", None, ["train.learning_rate=1e-3"], 1, 1, "wsd_decay_steps, z_loss_coeff; did you mean 'lr'?"),
     (
         "did-you-mean-preset",
         None,

@@ -51,4 +51,6 @@ def test_refusals_end_with_the_closest_name(capsys) -> None:
     assert cli.main(["trian"]) == 2
     assert capsys.readouterr().err.endswith("; did you mean 'train'?\n")
     assert cli.main(["data", "inspec"]) == 2
-    assert "invalid choice: 'inspec' (choose from 'inspect'); did you mean 'inspect'?" in capsys.readouterr().err
+    assert (
+        "invalid choice: 'inspec' (choose from 'inspect', 'synth'); did you mean 'inspect'?" in capsys.readouterr().err
+    )
