@@ -136,16 +136,6 @@ NOTICES: tuple[Notice, ...] = (
     ),
     Notice(
         "log",
-        "megatron.core.models.gpt.gpt_model",
-        (
-            "GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes, no new features. Please "
-            "reference the migration guide `docs/user-guide/hybrid-model-migration.md` for details on how to "
-            "use `HybridModel`"
-        ),
-        "megatron 0.19's GPT path is the one megagate builds on",
-    ),
-    Notice(
-        "log",
         "megatron.core.distributed.distributed_data_parallel",
         (
             "DistributedDataParallel: full_param_layout not provided with use_distributed_optimizer=True. "

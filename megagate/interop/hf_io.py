@@ -142,7 +142,7 @@ def _check_format(model: Any, fmt: str | None) -> str:
 
 
 def model_from_state(model_cfg: Any, state: Mapping[str, torch.Tensor]) -> torch.nn.Module:
-    """A megagate GPTModel at TP = PP = 1 (fp32, megatron's local modules, built by the model factory) holding
+    """A megagate model (HybridModel) at TP = PP = 1 (fp32, megatron's local modules, built by the model factory) holding
     exactly `state` (strict), in eval mode."""
     from megagate.distributed import megatron_cpu
     from megagate.distributed.parallel import ensure_single_process

@@ -1,4 +1,4 @@
-"""megagate (megatron GPTModel, TP = PP = EP = 1, local backend names) tensors <-> Hugging Face tensors.
+"""megagate (megatron HybridModel with GPTModel's names, TP = PP = EP = 1, local backend names) tensors <-> Hugging Face tensors.
 
 Pure reindexing, splitting and concatenation: every tensor that comes out is bit-identical to the values it came
 from, contiguous and with its own storage (safetensors writes it as is). Every key and shape going in is checked
@@ -62,7 +62,7 @@ def _qkv_rows(model: ModelConfig, fmt: str) -> tuple[int, int]:
 
 
 def megatron_shapes(model: ModelConfig) -> dict[str, Shape]:
-    """Every tensor of megagate's GPTModel state_dict() (TP = PP = EP = 1, local backend, no `_extra_state`)."""
+    """Every tensor of megagate's model state_dict() (TP = PP = EP = 1, local backend, no `_extra_state`)."""
     h, v, d = model.hidden_size, model.vocab_size, model.head_dim
     shapes: dict[str, Shape] = {"embedding.word_embeddings.weight": (v, h)}
     qkv_rows, _ = _qkv_rows(model, "")
@@ -233,7 +233,7 @@ def _without_extra_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 def to_hf_state_dict(model: ModelConfig, fmt: str, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """megagate GPTModel state_dict() (TP = PP = EP = 1; `_extra_state` entries are ignored) -> HF tensors."""
+    """megagate model state_dict() (TP = PP = EP = 1; `_extra_state` entries are ignored) -> HF tensors."""
     check_exportable(model, fmt)
     state = _without_extra_state(state)
     _check_tensors("megagate state", state, megatron_shapes(model))
@@ -262,7 +262,7 @@ def to_hf_state_dict(model: ModelConfig, fmt: str, state: Mapping[str, Tensor]) 
 
 
 def from_hf_state_dict(model: ModelConfig, fmt: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """HF tensors of `fmt` -> the megagate GPTModel tensors `load_state_dict(strict=False)` needs (all but
+    """HF tensors of `fmt` -> the megagate model tensors `load_state_dict(strict=False)` needs (all but
     `_extra_state`). A tied model's lm_head.weight may be present only as an exact copy of the embedding."""
     check_exportable(model, fmt)
     tensors = unfuse_experts(tensors)

@@ -1,4 +1,5 @@
-"""megatron objects from a `ModelConfig`: its `TransformerConfig` (produced, never copied) and the `GPTModel`."""
+"""megatron objects from a `ModelConfig`: its `TransformerConfig` (produced, never copied) and the language model
+(megatron's `HybridModel`; its `GPTModel` for the layouts HybridModel cannot carry, see `gpt_model_reason`)."""
 
 from __future__ import annotations
 
@@ -123,6 +124,46 @@ def transformer_config(
     return config
 
 
+def gpt_model_reason(config: TransformerConfig) -> str | None:
+    """Why `config` is built on megatron's deprecated GPTModel rather than its HybridModel (None: it is not).
+
+    HybridModel splits the layers over pipeline stages by the pattern's "|" cuts and refuses the first/last-stage
+    layer counts with them, has no place for a custom pipeline layout, and builds one layer spec per symbol, so a
+    model whose MoE layers alternate with dense ones cannot be said in its pattern of whole layers."""
+    if config.pipeline_model_parallel_layout is not None:
+        return "parallel.pipeline_model_parallel_layout (HybridModel splits stages at the pattern's '|' only)"
+    if config.num_layers_in_first_pipeline_stage is not None or config.num_layers_in_last_pipeline_stage is not None:
+        return "parallel.num_layers_in_first/last_pipeline_stage (HybridModel refuses them with '|' cuts)"
+    if config.moe_layer_freq != 1:
+        return f"moe_layer_freq={config.moe_layer_freq!r} (HybridModel builds one layer spec per symbol)"
+    return None
+
+
+def hybrid_layer_pattern(model: ModelConfig, config: TransformerConfig) -> str:
+    """HybridModel's `hybrid_layer_pattern` for `model`: its layer pattern with a "|" cut between the pipeline
+    stages (virtual stages in megatron's order: stage v of rank r is segment v * pp + r), the layers each stage
+    holds being those megatron's GPT block gives it (`get_transformer_layer_offset`, `get_num_layers_to_build`)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    from megagate.model.spec import _global_layer_ids
+
+    symbols = hybrid.pattern(model)
+    pp = config.pipeline_model_parallel_size
+    if pp == 1:
+        return symbols
+    vpp = config.virtual_pipeline_model_parallel_size
+    segments, order = [], []
+    for vp in range(vpp or 1):
+        stage = vp if vpp else None
+        for rank in range(pp):
+            ids = _global_layer_ids(config, stage, rank, get_num_layers_to_build(config, vp_stage=stage, pp_rank=rank))
+            order.extend(ids)
+            segments.append("".join(symbols[i] for i in ids))
+    if order != list(range(len(symbols))):  # HybridModel's segments are consecutive runs of the pattern
+        raise ConfigError(f"the pipeline split of model.layer_pattern {symbols!r} is not in layer order: {order}")
+    return "|".join(segments)
+
+
 def build_gpt_model(
     model: ModelConfig,
     config: TransformerConfig,
@@ -132,15 +173,16 @@ def build_gpt_model(
     post_process: bool = True,
     vp_stage: int | None = None,
     core_attention: str = "auto",
-) -> GPTModel:
-    """A megatron GPTModel built from the gated decoder block spec (this pipeline stage's part); `core_attention`
-    ("auto" | "sdpa" | "local" | "te") picks the attention kernel (`megagate.model.kernels.resolve_core_attention`)."""
+) -> torch.nn.Module:
+    """megagate's language model (this pipeline stage's part): megatron's HybridModel with the gated layer specs
+    (`megagate.model.spec.gated_hybrid_stack_spec`), or megatron's GPTModel with the gated decoder block spec for
+    the layouts HybridModel cannot carry (`gpt_model_reason`). `core_attention` ("auto" | "sdpa" | "local" | "te")
+    picks the attention kernel (`megagate.model.kernels.resolve_core_attention`). Both classes hold the same
+    parameters under the same names and read and write the same distributed checkpoints."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_model import GPTModel
 
     from megagate.model.kernels import resolve_core_attention
     from megagate.model.rotary import fit_rotary
-    from megagate.model.spec import gated_decoder_block_spec
 
     if model.softmax_type != "vanilla" and not torch.cuda.is_available():
         if resolve_core_attention(backend, core_attention) == "local":
@@ -148,21 +190,10 @@ def build_gpt_model(
                 f"model.softmax_type={model.softmax_type!r} with core_attention='local' needs CUDA (megatron-core "
                 "0.19 allocates the sink on the current CUDA device); use core_attention='sdpa'"
             )
-    hybrid.check_gdn_parallel(
-        model, parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size()
-    )
-    block = gated_decoder_block_spec(
-        config,
-        model.gate,
-        backend=backend,
-        vp_stage=vp_stage,
-        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
-        core_attention=core_attention,
-        pattern=model.layer_pattern,
-    )
-    gpt = GPTModel(
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    hybrid.check_gdn_parallel(model, tp, parallel_state.get_context_parallel_world_size())
+    common: dict[str, Any] = dict(
         config=config,
-        transformer_layer_spec=block,
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_sequence_length,
         pre_process=pre_process,
@@ -172,15 +203,54 @@ def build_gpt_model(
         rotary_base=model.rotary_base,
         rotary_percent=model.rotary_percent,
         seq_len_interpolation_factor=model.rotary_interpolation_factor,
-        rope_scaling=False,  # Llama-3 scaling with the model's own original context: fit_rotary
         vp_stage=vp_stage,
     )
-    fit_rotary(gpt, model, config)
+    if gpt_model_reason(config) is None:
+        from megagate.model.hybrid_stack import GatedHybridModel
+        from megagate.model.spec import gated_hybrid_stack_spec
+
+        stack = gated_hybrid_stack_spec(
+            config, model.gate, backend=backend, tp_size=tp, core_attention=core_attention, pattern=model.layer_pattern
+        )
+        lm = GatedHybridModel(
+            hybrid_stack_spec=stack, hybrid_layer_pattern=hybrid_layer_pattern(model, config), **common
+        )
+    else:
+        lm = _build_gpt_model(model, config, backend, vp_stage, core_attention, tp, common)
+    fit_rotary(lm, model, config)
     if post_process:
         from megagate.model.loss import use_local_cross_entropy
 
-        use_local_cross_entropy(gpt)  # TP = 1: torch's cross-entropy instead of three one-rank all-reduces
-    return gpt
+        use_local_cross_entropy(lm)  # TP = 1: torch's cross-entropy instead of three one-rank all-reduces
+    return lm
+
+
+def _build_gpt_model(
+    model: ModelConfig,
+    config: TransformerConfig,
+    backend: str,
+    vp_stage: int | None,
+    core_attention: str,
+    tp: int,
+    common: dict[str, Any],
+) -> GPTModel:
+    """GPTModel with the gated decoder block spec: the layouts of `gpt_model_reason` only (megatron 0.19 logs
+    "GPTModel IS DEPRECATED" for it; megagate.console keeps that notice for this path)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megagate.model.spec import gated_decoder_block_spec
+
+    block = gated_decoder_block_spec(
+        config,
+        model.gate,
+        backend=backend,
+        vp_stage=vp_stage,
+        tp_size=tp,
+        core_attention=core_attention,
+        pattern=model.layer_pattern,
+    )
+    # Llama-3 scaling with the model's own original context: fit_rotary
+    return GPTModel(transformer_layer_spec=block, rope_scaling=False, **common)
 
 
 def meta_parameter_count(model: ModelConfig) -> int:
@@ -190,5 +260,5 @@ def meta_parameter_count(model: ModelConfig) -> int:
     """
     config = transformer_config(model, use_cpu=True, perform_initialization=False)
     with torch.device("meta"):
-        gpt = build_gpt_model(model, config)
-    return sum(p.numel() for p in gpt.parameters())
+        lm = build_gpt_model(model, config)
+    return sum(p.numel() for p in lm.parameters())

@@ -27,7 +27,7 @@ def local_cross_entropy(labels: torch.Tensor, logits: torch.Tensor) -> torch.Ten
 
 
 def use_local_cross_entropy(model: Any) -> bool:
-    """Give a megatron GPTModel the local loss when its tensor-parallel group has one rank and megatron would take
+    """Give a megatron language model the local loss when its tensor-parallel group has one rank and megatron would take
     its unfused vocab-parallel path; True when installed."""
     group = getattr(model, "tp_group", None)
     if group is None:
@@ -85,7 +85,7 @@ class ZLoss:
 
 
 def add_z_loss(model: Any, coeff: float) -> ZLoss:
-    """Wrap the language-model loss of a megatron GPTModel (last pipeline stage) in a `ZLoss` of `coeff` > 0, over
+    """Wrap the language-model loss of a megatron HybridModel or GPTModel (last pipeline stage) in a `ZLoss` of `coeff` > 0, over
     the model's tensor-parallel group (the local cross-entropy of a one-rank group, or megatron's own)."""
     group = getattr(model, "tp_group", None)
     if group is None:

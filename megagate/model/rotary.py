@@ -1,4 +1,4 @@
-"""The rotary embedding of a built GPTModel, for the two settings megatron's GPTModel constructor cannot pass on.
+"""The rotary embedding of a built HybridModel or GPTModel, for the two settings their constructors cannot pass on.
 
 - Llama-3 scaling from another original context (or other low/high frequency factors): GPTModel builds its
   `RotaryEmbedding` with `_apply_scaling`'s defaults (8192, 1, 4); the scaled table is recomputed here with
@@ -8,7 +8,7 @@
   table and the attention factor; `apply_rotary_pos_emb` rotates the first dims and passes the rest through), which
   is transformers' YaRN with `partial_rotary_factor`.
 
-Both are applied right after the GPTModel is built, before any forward (megatron caches tables per call).
+Both are applied right after the model is built, before any forward (megatron caches tables per call).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from megagate.model.position import rotated_dims
 
 
 def fit_rotary(gpt: Any, model: ModelConfig, config: Any) -> None:
-    """Give `gpt` (a megatron GPTModel built from `model` with rope_scaling off) the rotary embedding `model`
+    """Give `gpt` (a megatron HybridModel or GPTModel built from `model`, no rope scaling) the rotary embedding `model`
     describes; `config` is its TransformerConfig."""
     rope = getattr(gpt, "rotary_pos_emb", None)
     if rope is None:

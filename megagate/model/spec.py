@@ -27,6 +27,7 @@ from typing import Any
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.gpt_layer_specs import (
+    LNImpl,
     get_gpt_decoder_block_spec,
     get_gpt_decoder_layer_specs,
 )
@@ -207,6 +208,42 @@ def gated_decoder_block_spec(
     if config.layernorm_zero_centered_gamma and backend != "te":
         block.layer_norm = _local_norms_zero_centered(block.layer_norm)  # the final norm
     return block
+
+
+def gated_hybrid_stack_spec(
+    config: TransformerConfig,
+    gate: GateConfig,
+    backend: str = "local",
+    tp_size: int = 1,
+    core_attention: str = "auto",
+    pattern: str | None = None,
+) -> ModuleSpec:
+    """The spec of megagate's `GatedHybridStack` for megatron's HybridModel: one layer spec per pattern symbol, "*"
+    the gated attention layer and "G" the Gated DeltaNet layer, each a whole TransformerLayer with its MLP (dense,
+    MoE, MoE with a shared expert), the layers megatron's GPT layer specs give (see `gated_decoder_block_spec`).
+
+    Every layer of one kind must have one spec (megatron's HybridStack builds by symbol); a model whose layers of
+    one kind differ (config.moe_layer_freq other than 1) is refused here (build.py keeps it on GPTModel)."""
+    check_backend(backend)
+    resolve_core_attention(backend, core_attention)
+    check_gate_compatible(config, gate, tp_size)
+    from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
+
+    if config.moe_layer_freq != 1:
+        raise ConfigError(f"moe_layer_freq={config.moe_layer_freq!r}: HybridModel builds one layer spec per symbol")
+    layers = get_gpt_decoder_layer_specs(
+        config, use_transformer_engine=backend == "te", normalization=config.normalization
+    )
+    attention = gate_layer(layers[0], gate, config, backend, core_attention)
+    submodules = HybridStackSubmodules(attention_layer=attention)
+    if pattern is not None and "G" in pattern:
+        submodules.gdn_layer = gdn_layer(attention, backend)
+    final_norm = _norm_builder(attention, backend) if backend == "te" else LNImpl
+    if config.layernorm_zero_centered_gamma and backend != "te":
+        final_norm = _local_norms_zero_centered(final_norm)
+    from megagate.model.hybrid_stack import GatedHybridStack
+
+    return ModuleSpec(module=GatedHybridStack, submodules=submodules, params={"final_norm": final_norm})
 
 
 def gated_layer_spec(

@@ -108,7 +108,7 @@ class _LayerState:
 
 
 class Probe:
-    """Context manager that instruments a GPTModel's layers; run any forward(s) inside it, then call `results()`.
+    """Context manager that instruments a megatron language model's layers; run any forward(s) inside it, then call `results()`.
 
     Use this directly when the forward must go through megatron's pipeline schedule (PP > 1); `collect` covers the
     single-stage case.
@@ -263,7 +263,9 @@ def _inner(model: torch.nn.Module) -> torch.nn.Module:
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     decoder = getattr(_inner(model), "decoder", None)
     if decoder is None or not hasattr(decoder, "layers"):
-        raise MegagateError(f"diagnostics need a megatron GPTModel with decoder.layers; got {type(model).__name__}")
+        raise MegagateError(
+            f"diagnostics need a megatron HybridModel or GPTModel with decoder.layers; got {type(model).__name__}"
+        )
     return list(decoder.layers)
 
 
