@@ -6,6 +6,7 @@ carry stay on GPTModel, by name (`gpt_model_reason`)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import warnings
 
@@ -103,3 +104,31 @@ def test_layouts_hybrid_model_cannot_carry_stay_on_gpt_model(megatron_world):
         other = copy.copy(cfg)
         setattr(other, field, value)
         assert named in gpt_model_reason(other), field
+
+
+@pytest.mark.parametrize(
+    "parallel, num_layers, expected",
+    [
+        ({}, 4, "GGG*"),
+        ({"pipeline_model_parallel_size": 2}, 4, "GG|G*"),
+        # virtual stage v of rank r is segment v * pp + r, as megatron's interleaved GPT block assigns them
+        ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, 4, "G|G|G|*"),
+        # the embedding and the loss count as a layer each: (8 + 2) / 2 = 5 per stage, one short at either end
+        (
+            {
+                "pipeline_model_parallel_size": 2,
+                "account_for_embedding_in_pipeline_split": True,
+                "account_for_loss_in_pipeline_split": True,
+            },
+            8,
+            "GGG*|GGG*",
+        ),
+    ],
+)
+def test_pipeline_cuts_are_where_the_gpt_block_put_them(megatron_world, parallel, num_layers, expected):
+    from megagate.model.build import hybrid_layer_pattern
+    from megagate.model.model_config import ParallelConfig
+
+    mc = model_preset("tiny-hybrid", gate=gates.preset("g1-elementwise"))
+    mc = dataclasses.replace(mc, num_layers=num_layers, layer_pattern="GGG*" * (num_layers // 4))
+    assert hybrid_layer_pattern(mc, transformer_config(mc, ParallelConfig(**parallel))) == expected
