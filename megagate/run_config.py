@@ -44,6 +44,7 @@ from megagate.sections import build_section, check_type, did_you_mean
 PRECISIONS = ("fp32", "bf16", "fp8")
 OPTIMIZERS = ("adamw", "muon")
 MUON_TP_MODES = ("duplicated", "blockwise", "distributed")  # emerging-optimizers' newton_schulz_tp modes
+MUON_MATMUL_PRECISIONS = ("medium", "high", "highest")  # torch's float32 matmul precisions
 LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
 MEGATRON_LR_STYLE = {"cosine": "cosine", "wsd": "WSD", "linear": "linear", "constant": "constant"}  # lr_decay_style
 BACKENDS = ("auto", "local", "te")  # train.backend (auto: megagate.model.kernels.resolve_backend)
@@ -94,6 +95,9 @@ class TrainSection:
     # blockwise: each rank its own shard (megatron's default; no communication, a layout-dependent update)
     muon_tp_mode: str = "duplicated"
     muon_ns_steps: int = 5  # Newton-Schulz iterations
+    # float32 matmul precision of the Newton-Schulz iterations (megatron's muon_fp32_matmul_prec): medium lets
+    # TF32 / bf16 kernels run (GPUs, and CPUs with avx512_bf16 or AMX); highest keeps every product in fp32
+    muon_matmul_precision: str = "medium"
     eval_interval: int = 0  # steps between validations (0: only at the end)
     eval_iters: int = 2  # global batches per validation
     wall_time_limit: float | None = None  # seconds; checkpoint and exit cleanly before it
