@@ -27,6 +27,8 @@ from megagate.plan.work import Workload, stage_parameters
 from megagate.yamlfile import load_mapping
 
 DATA = Path(__file__).with_name("published_runs.yaml")
+# the second held-out table (gathered apart, nothing fitted on it; its models are DATA's)
+HELD_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "held_out_runs.yaml"
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,23 @@ def _model(fields: dict[str, Any]) -> ModelConfig:
     return model_from_dict(fields, gate=gates.preset("baseline"))
 
 
+def model_fields(path: Path = DATA) -> dict[str, dict[str, Any]]:
+    """The `models:` entries of `path`, falling back on published_runs.yaml's (the held-out table has none of its
+    own)."""
+    data = load_mapping(path)
+    return {**(load_mapping(DATA)["models"] if path != DATA else {}), **(data.get("models") or {})}
+
+
 def load_runs(path: Path = DATA) -> list[Run]:
     """Every run of the data file, as workloads (a ConfigError names a run whose layout does not divide)."""
     data = load_mapping(path)
-    models = {name: _model(fields) for name, fields in data["models"].items()}
+    models = {name: _model(fields) for name, fields in model_fields(path).items()}
     return [_run(e, models) for e in data["runs"]]
+
+
+def load_held_out() -> list[Run]:
+    """The second held-out table (benchmarks/held_out_runs.yaml)."""
+    return load_runs(HELD_OUT)
 
 
 def _run(e: dict[str, Any], models: dict[str, ModelConfig]) -> Run:
