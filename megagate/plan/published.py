@@ -104,6 +104,14 @@ def load_held_out() -> list[Run]:
     return load_runs(HELD_OUT)
 
 
+def recipe_defaults(e: dict[str, Any]) -> bool:
+    """Whether `e` ran under NVIDIA's performance recipes (Megatron Bridge's perf_recipes/_common.py
+    `_benchmark_common`, NeMo's scripts/performance/helpers.py): gradients reduced in bf16 (`grad_reduce_in_fp32 =
+    False`) and Transformer Engine's fused cross-entropy (`cross_entropy_fusion_impl = "te"`). The ModelZoo's and
+    Megatron-LM's runs keep megatron's defaults (fp32 gradients, the native loss)."""
+    return e["source"] == "bridge" or e["source"].startswith("nemo")
+
+
 def _run(e: dict[str, Any], models: dict[str, ModelConfig]) -> Run:
     model = models[e["model"]]
     tp, pp, cp, ep = e["tp"], e["pp"], e["cp"], e["ep"]
@@ -112,6 +120,7 @@ def _run(e: dict[str, Any], models: dict[str, ModelConfig]) -> Run:
     account = e.get("split") == "embedding+loss"
     layers = split_layers(model.num_layers, pp, vpp, account_for_embedding=account, account_for_loss=account)
     modules = tuple(e.get("recompute_modules") or ())
+    grad_fp32 = e.get("grad_reduce_in_fp32", not recipe_defaults(e)) or e["precision"] == "fp32"
     w = Workload(
         model=model,
         seq=e["seq"],
@@ -132,6 +141,7 @@ def _run(e: dict[str, Any], models: dict[str, ModelConfig]) -> Run:
         ep_overlap=bool(e.get("ep_overlap", False)),
         tp_overlap=bool(e.get("tp_overlap", False)),
         fsdp=bool(e.get("fsdp", False)),
+        grad_bytes=4 if grad_fp32 else 2,
         stage_layers=layers if account else None,
         gpus_per_node=e.get("gpus_per_node", 4 if e["gpu"] == "gb200" else 8),
     )
@@ -200,9 +210,9 @@ def memory_estimate(w: Workload, memory_bytes: float) -> float:
         dense, expert = stage_parameters(w, s)
         fp8_copies = 2 * (dense + expert) if w.precision == "fp8" else 0  # TE's cached fp8 weight + transpose
         if w.fsdp:
-            states = 18 * (dense + expert) / (w.dp * w.cp)
+            states = (14 + w.grad_bytes) * (dense + expert) / (w.dp * w.cp)
         else:
-            states = 6 * (dense + expert) + 12 * (dense / (w.dp * w.cp) + expert / w.expert_dp)
+            states = (2 + w.grad_bytes) * (dense + expert) + 12 * (dense / (w.dp * w.cp) + expert / w.expert_dp)
         flights = mem.in_flight(w.pp, s, w.vpp, w.microbatches, w.ep_overlap)
         acts = flights * max(chunks) * layer + layer
         if s == w.pp - 1:
@@ -312,7 +322,11 @@ def run_config(run: Run, fields: dict[str, Any]) -> dict[str, Any]:
         tp_comm_overlap=w.tp_overlap,
         overlap_moe_expert_parallel_comm=w.ep_overlap,
         use_megatron_fsdp=w.fsdp,
+        grad_reduce_in_fp32=w.grad_bytes == 4,
+        cpu_offloading_num_layers=e.get("cpu_offloading_num_layers", 0),
     )
+    if recipe_defaults(e):
+        perf["cross_entropy_fusion_impl"] = "te"
     if modules:
         perf["recompute_modules"] = modules
     train = dict(

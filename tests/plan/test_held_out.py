@@ -12,16 +12,9 @@ from megagate.plan import published as P
 from megagate.plan.core import plan
 from megagate.yamlfile import load_mapping
 
-# Held-out layouts that ran but that the memory plan still puts over the device, with why (docs/planning.md).
-KNOWN_OVER: dict[str, str] = {
-    "bridge-25.09-llama3-70b-gb200-fp8-fsdp-gbs128": "Megatron-FSDP at micro-batch 2 without recompute: the recipe's "
-    "activation offloading is not subtracted",
-    "bridge-25.09-llama3.1-405b-gb200-fp8-fsdp-tp2": "Megatron-FSDP at TP 2: the recipe's activation offloading / "
-    "recompute is not subtracted",
-    "bridge-26.06-llama3.1-405b-gb200-fp8": "as published_runs' bridge-26.04.01-llama3.1-405b-gb200-fp8 (same layout)",
-    "bridge-25.11-qwen3-30b-h100-fp8-mbs2-pp2-vp24": "24 virtual chunks of one layer each at micro-batch 2: the "
-    "interleaved warm-up count",
-}
+# Held-out layouts that ran but that the memory plan still puts over the device, with why (docs/planning.md): none
+# since the recipes' bf16 gradients, TE's fused loss and layer-wise activation offloading are modelled.
+KNOWN_OVER: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
