@@ -1,8 +1,16 @@
-"""The planner's predicted step time against `megagate train`'s measured one, on this machine, in one run.
+"""The planner's predicted step time against published NVIDIA runs, and against `megagate train`'s measured one on
+this machine, in one run.
 
     .venv/bin/python benchmarks/bench_plan_accuracy.py [--rounds 2] [--steps 40] [--warmup 5] [--budget-s 90]
-                                                       [--threads 1]
+                                                       [--threads 1] [--held-out-only]
 
+First (a few seconds, no training) two tables of published NVIDIA runs on their GPUs, per row the planner's
+tokens/s per GPU against the published one and |error|, then the median and worst: megagate/plan/published_runs.yaml
+(the `fit` rows the GPU constants are fitted on and its `held-out` rows) and benchmarks/held_out_runs.yaml (a second
+table gathered apart, nothing fitted on it; each row's NVIDIA release beside it). `--held-out-only` prints the second
+table alone and stops; `--rounds 0` prints both and stops.
+
+Then the CPU part:
 Each round: `megagate calibrate` writes a device profile of this machine (measured now), then every configuration
 below is trained with `megagate train` (a real process, `torchrun --nproc-per-node 2` for the TP=2 one, mock data)
 and planned with `megagate plan --profile` on that round's profile. Measured = the median of the step times the
@@ -149,6 +157,33 @@ def predict(name: str, profile_path: str, steps: int) -> float:
     return plan(cfg, ranks, profile_mod.load(profile_path), gpus_per_node=ranks).time.total
 
 
+def published_table(path: Path, title: str) -> dict[str, dict[str, float]]:
+    """Print every run of `path` (a published-runs file) as predicted vs published tokens/s per GPU with |error|,
+    then each use's median and worst; return that summary (use -> runs, median, worst)."""
+    from megagate.plan import published as P
+
+    runs = P.load_runs(path)
+    errs = P.errors(runs)
+    print(f"\n{title} ({path.relative_to(REPO)})")
+    print(
+        f"{'run':50s} {'release':>10s} {'use':>9s} {'layout':>24s} {'published':>10s} {'predicted':>10s} {'|error|':>8s}"
+    )
+    for r in runs:
+        w = r.workload
+        predicted = P.tokens_per_s_per_gpu(r, P.predict(r))
+        layout = f"{P.describe(w)} mbs{w.micro_batch}"
+        release = str(r.entry.get("release", r.id.split("-")[1] if r.id.startswith(("bridge", "nemo")) else "-"))
+        print(f"{r.id:50s} {release:>10s} {r.use:>9s} {layout:>24s} {r.tokens_per_s_per_gpu:10,.0f} {predicted:10,.0f} "
+              f"{abs(errs[r.id]):8.1%}  ({errs[r.id]:+.1%})")  # fmt: skip
+    uses = sorted({r.use for r in runs}, key=("fit", "held-out").index)
+    out = {}
+    for use in uses:
+        values = [abs(errs[r.id]) for r in runs if r.use == use]
+        out[use] = {"runs": len(values), "median": statistics.median(values), "worst": max(values)}
+        print(f"{use}: {len(values)} runs, median |error| {out[use]['median']:.1%}, worst {out[use]['worst']:.1%}")
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -157,7 +192,17 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=90.0, help="calibration budget per round")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--threads", type=int, default=1, help="threads per process (OMP_NUM_THREADS)")
+    parser.add_argument(
+        "--held-out-only", action="store_true", help="print the second held-out table of published runs and stop"
+    )
     args = parser.parse_args()
+    from megagate.plan import published as P
+
+    if not args.held_out_only:
+        published_table(P.DATA, "published runs: fit and held-out rows")
+    published_table(P.HELD_OUT, "second held-out table: gathered apart, nothing fitted on it")
+    if args.held_out_only or args.rounds == 0:
+        return 0
     import torch
 
     print(f"torch {torch.__version__}, {args.threads} threads per process, {os.cpu_count()} CPUs; {load()}")

@@ -23,6 +23,7 @@ from megagate.run_config import (
     BACKENDS,
     FP8_RECIPES,
     LR_SCHEDULES,
+    MUON_MATMUL_PRECISIONS,
     MUON_TP_MODES,
     OPTIMIZER_FORMATS,
     OPTIMIZERS,
@@ -220,6 +221,7 @@ def _check_muon(cfg: TrainConfig) -> None:
     t, p, m = cfg.train, cfg.parallel, cfg.model
     check_choice(t.optimizer, OPTIMIZERS, "train.optimizer")
     check_choice(t.muon_tp_mode, MUON_TP_MODES, "train.muon_tp_mode")
+    check_choice(t.muon_matmul_precision, MUON_MATMUL_PRECISIONS, "train.muon_matmul_precision")
     if t.optimizer != "muon":
         return
     if not 0 <= t.muon_momentum < 1:

@@ -71,6 +71,7 @@ class ResolvedPerf:
     moe_flex_dispatcher_backend: str = "deepep"
     use_megatron_fsdp: bool = False
     offload_modules: tuple[str, ...] = ()  # fine-grained activation offloading (empty: none)
+    cpu_offloading_num_layers: int = 0  # layer-wise activation offloading (0: none)
     optimizer_cpu_offload: bool = False
     cpu_off: tuple[str, ...] = ()  # the GPU settings the CPU switched off
     gpu_off: tuple[str, ...] = ()  # GPU defaults off on this GPU because their kernels are missing: one reason each
@@ -134,6 +135,10 @@ class ResolvedPerf:
                 ("delayed expert wgrad", self.delay_wgrad_compute),
                 ("Megatron-FSDP", self.use_megatron_fsdp),
                 (f"activation offloading ({', '.join(self.offload_modules)})", bool(self.offload_modules)),
+                (
+                    f"activation offloading of {self.cpu_offloading_num_layers} layers",
+                    bool(self.cpu_offloading_num_layers),
+                ),
                 ("optimizer CPU offload", self.optimizer_cpu_offload),
             )
             if on_
@@ -219,6 +224,7 @@ def resolve_perf(cfg: TrainConfig, machine: Machine) -> ResolvedPerf:
             delay_wgrad_compute=False,
             use_megatron_fsdp=False,
             offload_modules=(),
+            cpu_offloading_num_layers=0,
             optimizer_cpu_offload=False,
         )
         moe_only = {"moe_grouped_gemm", "moe_token_dispatcher_type", "moe_permute_fusion", "moe_router_fusion"}
@@ -260,6 +266,7 @@ def _recipe_values(p: Any) -> dict[str, Any]:
         delay_wgrad_compute=p.delay_wgrad_compute,
         use_megatron_fsdp=p.use_megatron_fsdp,
         offload_modules=tuple(p.offload_modules or ()),
+        cpu_offloading_num_layers=p.cpu_offloading_num_layers,
         optimizer_cpu_offload=p.optimizer_cpu_offload,
     )
 

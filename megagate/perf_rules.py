@@ -147,6 +147,7 @@ def _check_recipe(cfg: TrainConfig, r: ResolvedPerf, te_needed: str) -> None:
             )
         if t.optimizer != "adamw":
             raise ConfigError(f"perf.use_megatron_fsdp=true supports train.optimizer adamw, not {t.optimizer!r}")
+    _check_layer_offloading(cfg, r, te_needed)
     modules = list(p.offload_modules or [])
     for module in modules:
         _choice(module, OFFLOAD_MODULES, "perf.offload_modules[]")
@@ -166,6 +167,23 @@ def _check_recipe(cfg: TrainConfig, r: ResolvedPerf, te_needed: str) -> None:
             raise ConfigError("perf.optimizer_cpu_offload=true with train.fp8_param_gather needs fp8_recipe delayed")
     if not 0 < p.optimizer_offload_fraction <= 1:
         raise ConfigError(f"perf.optimizer_offload_fraction={p.optimizer_offload_fraction} must be in (0, 1]")
+
+
+def _check_layer_offloading(cfg: TrainConfig, r: ResolvedPerf, te_needed: str) -> None:
+    """megatron's rules for `cpu_offloading` (TransformerConfig.__post_init__; TE's CPU offload context)."""
+    n, key = cfg.perf.cpu_offloading_num_layers, "perf.cpu_offloading_num_layers"
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < cfg.model.num_layers:
+        raise ConfigError(f"{key}={n!r} must be an integer in [0, model.num_layers={cfg.model.num_layers})")
+    if not n:
+        return
+    if not r.backend_te and r.machine.gpu:
+        raise ConfigError(f"{key}={n} needs Transformer Engine's CPU offload context: it {te_needed}")
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"{key}={n} needs pipeline_model_parallel_size 1 (megatron's rule)")
+    if cfg.model.recompute_granularity is not None:
+        raise ConfigError(f"{key}={n} cannot run with model.recompute_granularity (megatron's rule)")
+    if cfg.perf.offload_modules:
+        raise ConfigError(f"{key}={n} cannot run with perf.offload_modules (megatron's rule)")
 
 
 def _check_profile(cfg: TrainConfig) -> None:

@@ -44,6 +44,7 @@ from megagate.sections import build_section, check_type, did_you_mean
 PRECISIONS = ("fp32", "bf16", "fp8")
 OPTIMIZERS = ("adamw", "muon")
 MUON_TP_MODES = ("duplicated", "blockwise", "distributed")  # emerging-optimizers' newton_schulz_tp modes
+MUON_MATMUL_PRECISIONS = ("medium", "high", "highest")  # torch's float32 matmul precisions
 LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
 MEGATRON_LR_STYLE = {"cosine": "cosine", "wsd": "WSD", "linear": "linear", "constant": "constant"}  # lr_decay_style
 BACKENDS = ("auto", "local", "te")  # train.backend (auto: megagate.model.kernels.resolve_backend)
@@ -94,6 +95,9 @@ class TrainSection:
     # blockwise: each rank its own shard (megatron's default; no communication, a layout-dependent update)
     muon_tp_mode: str = "duplicated"
     muon_ns_steps: int = 5  # Newton-Schulz iterations
+    # float32 matmul precision of the Newton-Schulz iterations (megatron's muon_fp32_matmul_prec): medium lets
+    # TF32 / bf16 kernels run (GPUs, and CPUs with avx512_bf16 or AMX); highest keeps every product in fp32
+    muon_matmul_precision: str = "medium"
     eval_interval: int = 0  # steps between validations (0: only at the end)
     eval_iters: int = 2  # global batches per validation
     wall_time_limit: float | None = None  # seconds; checkpoint and exit cleanly before it
@@ -196,6 +200,9 @@ class PerfSection:
     use_precision_aware_optimizer: bool = False
     main_params_dtype: str = "fp32"  # fp32 | fp16
     main_grads_dtype: str = "fp32"  # fp32 | bf16
+    # DDP's gradient buffer and its reduce-scatter in fp32 (megatron's default); false: in the parameter dtype, as
+    # NVIDIA's performance recipes run (half the buffer and the traffic)
+    grad_reduce_in_fp32: bool = True
     exp_avg_dtype: str = "fp32"  # fp32 | fp16 | bf16 | fp8
     exp_avg_sq_dtype: str = "fp32"  # fp32 | fp16 | bf16 | fp8
     # NVIDIA's recipes (GPU only; off on CPU, listed): TP/EP communication overlap, Megatron-FSDP, offloading
@@ -206,6 +213,9 @@ class PerfSection:
     use_megatron_fsdp: bool = False  # Megatron-FSDP in place of DDP + the distributed optimizer
     data_parallel_sharding_strategy: str = "optim_grads_params"  # Megatron-FSDP: no_shard | optim | optim_grads | ..
     offload_modules: list | None = None  # fine-grained activation offloading: the modules whose inputs go to host
+    # megatron's layer-wise activation offloading (TE's CPU offload context; PP 1, no recompute): the activations of
+    # the first N transformer layers go to host memory during the forward and come back for the backward (0: off)
+    cpu_offloading_num_layers: int = 0
     optimizer_cpu_offload: bool = False  # the optimizer step on the host (HybridDeviceOptimizer)
     optimizer_offload_fraction: float = 1.0  # share of the optimizer state on the host
     # Python's garbage collector: disabled, run every N steps on every rank at once (0: Python's own)

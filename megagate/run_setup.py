@@ -194,6 +194,13 @@ def _perf_kwargs(cfg: TrainConfig, perf: ResolvedPerf) -> dict[str, Any]:
         kwargs["tp_comm_overlap"] = True
     if perf.offload_modules:
         kwargs.update(fine_grained_activation_offloading=True, offload_modules=list(perf.offload_modules))
+    if perf.cpu_offloading_num_layers:
+        kwargs.update(
+            cpu_offloading=True,
+            cpu_offloading_num_layers=perf.cpu_offloading_num_layers,
+            cpu_offloading_activations=True,
+            cpu_offloading_weights=False,
+        )
     return kwargs
 
 

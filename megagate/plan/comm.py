@@ -240,7 +240,8 @@ def dp_seconds(w: Workload, topo: Topology, stage: int, bwd_window: float, fwd_w
     """Exposed data-parallel communication of one rank of `stage` per step: {kind: seconds}.
 
     `bwd_window` / `fwd_window`: the stage's last backward / first forward of a step (what overlap hides behind).
-    Gradients are reduced in fp32 (the trainer's grad_reduce_in_fp32), parameters gathered in the activation dtype.
+    Gradients are reduced in `w.grad_bytes` per element (fp32 under grad_reduce_in_fp32), parameters gathered in the
+    activation dtype.
     """
     dense, expert = stage_parameters(w, stage)
     out: dict[str, float] = {}
@@ -251,7 +252,7 @@ def dp_seconds(w: Workload, topo: Topology, stage: int, bwd_window: float, fwd_w
         if size <= 1 or params <= 0:
             continue
         buckets = max(1, math.ceil(params / (w.bucket_size or default_bucket(size))))
-        grads, weights = 4 * params, w.act_bytes * params
+        grads, weights = w.grad_bytes * params, w.act_bytes * params
         if w.fsdp:
             # every micro-batch gathers the weights twice (forward, backward) and reduce-scatters the gradients,
             # layer by layer behind the compute; what the compute cannot hide is exposed

@@ -187,6 +187,7 @@ def workload(setup: RunSetup, profile: DeviceProfile, gpus_per_node: int, imbala
         tp_overlap=r.tp_comm_overlap,
         ep_overlap=r.overlap_moe_expert_parallel_comm,
         fsdp=r.use_megatron_fsdp,
+        grad_bytes=4 if cfg.perf.grad_reduce_in_fp32 or t.precision == "fp32" else 2,
         stage_layers=stage_layers(p, m.num_layers),
         routing_imbalance=imbalance,
         gpus_per_node=gpus_per_node,
@@ -217,15 +218,27 @@ def plan(
     local_loss = layout.tp == 1 and not setup.perf.cross_entropy_loss_fusion  # model.loss: torch's cross-entropy
     fsdp = cfg.perf.data_parallel_sharding_strategy if setup.perf.use_megatron_fsdp else None
     modules = tuple(setup.perf.recompute_modules or ("core_attn",))  # selective recompute's modules, resolved
+    te_loss = setup.perf.cross_entropy_loss_fusion and setup.perf.cross_entropy_fusion_impl == "te"
     roles = _roles(
-        cfg, layout, k, margin_gb, fragmentation, local_loss, setup.perf.overlap_moe_expert_parallel_comm, fsdp, modules
+        cfg,
+        layout,
+        k,
+        margin_gb,
+        fragmentation,
+        local_loss,
+        setup.perf.overlap_moe_expert_parallel_comm,
+        fsdp,
+        modules,
+        offloaded=setup.perf.cpu_offloading_num_layers,
+        te_loss=te_loss,
     )
     w = workload(setup, profile, gpus_per_node, routing_imbalance)
     st = step_time(w, profile, ranks_per_node=min(gpus_per_node, world_size))
     assumptions = [
         "weights, gradient buffers and optimizer shards: megatron's exact buffer layout (64-element alignment, "
         "buckets padded to lcm(DP, 128)); the optimizer shard is the largest over the data-parallel ranks",
-        "gradients reduced in fp32 (the trainer's grad_reduce_in_fp32); dense parameters sharded over DP x CP, "
+        f"gradients reduced in {'fp32' if w.grad_bytes == 4 else 'bf16'} (perf.grad_reduce_in_fp32); dense "
+        "parameters sharded over DP x CP, "
         "expert parameters over the expert-data-parallel group",
         f"activations: the tensors autograd keeps with {k.name} kernels "
         + (
@@ -249,14 +262,19 @@ def _roles(
     ep_overlap: bool = False,
     fsdp: str | None = None,
     modules: tuple[str, ...] = ("core_attn",),
+    offloaded: int = 0,
+    te_loss: bool = False,
 ) -> list[Role]:
-    """Every pipeline stage's memory by item (exact buffers, the activation inventory, the margin)."""
+    """Every pipeline stage's memory by item (exact buffers, the activation inventory, the margin). `offloaded`:
+    layers whose activations go to the host (`perf.cpu_offloading_num_layers`, PP 1); `te_loss`: TE's fused loss."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     grid = stage_layers(p, m.num_layers)  # the trainer's split: every stage's real layer counts
     shape = RankShape(
         layout.tp, layout.pp, layout.vpp, layout.ep, layout.cp, layout.dp, layout.expert_dp, layout.etp, grid
     )
     param_bytes = 4 if t.precision == "fp32" else 2
+    # DDP's gradient buffer: fp32 (grad_reduce_in_fp32, megatron's default) or the parameter dtype (the recipes')
+    grad_bytes = 4 if cfg.perf.grad_reduce_in_fp32 else param_bytes
     opt_bytes = 8 if t.precision == "fp32" else 12  # Adam m, v (+ fp32 main params under bf16/fp8)
     act = mem.ActivationShape(
         t.seq_length // layout.cp,
@@ -288,19 +306,22 @@ def _roles(
         n_expert = sum(b.numel_unpadded for b in bufs if b.expert)
         dist = t.use_distributed_optimizer
         weights = sum((b.numel if dist else b.numel_unpadded) * (4 if b.fp32 else param_bytes) for b in bufs)
-        grads = sum((b.numel if dist else b.numel_unpadded) * 4 for b in bufs)
+        grads = sum((b.numel if dist else b.numel_unpadded) * grad_bytes for b in bufs)
         if fsdp in ("optim_grads", "optim_grads_params"):  # Megatron-FSDP shards the gradients over DP too
-            grads = sum(b.max_owned() * 4 for b in bufs)
+            grads = sum(b.max_owned() * grad_bytes for b in bufs)
         if fsdp == "optim_grads_params":  # ... and the weights, two layers' worth gathered at a time (prefetch)
             unit = sum(q.numel for q in layer_params(m, layout.tp, layout.ep, etp=layout.etp)) * param_bytes
             weights = sum(b.max_owned() * (4 if b.fp32 else param_bytes) for b in bufs) + 2 * unit
         optim = sum((b.max_owned() if dist else b.numel_unpadded) * (8 if b.fp32 else opt_bytes) for b in bufs)
         flights = mem.in_flight(layout.pp, r, layout.vpp, layout.num_microbatches, ep_overlap)
+        # TE's CPU offload (PP 1): the first `offloaded` layers' activations go to the host as each layer's forward
+        # ends; one layer's copy is in flight at a time, so that one stays on the device until it lands
+        on_host = max(0, offloaded - 1) * kept_layer if offloaded else 0
         items = {
             f"weights ({'fp32' if param_bytes == 4 else 'bf16'})": weights,
-            "gradient buffer (fp32)": grads,
+            f"gradient buffer ({'fp32' if grad_bytes == 4 else 'bf16'})": grads,
             "optimizer shard (Adam" + (" + fp32 main" if param_bytes == 2 else "") + ")": optim,
-            "activations: layers (x chunk forwards in flight)": flights * chunk_act,
+            "activations: layers (x chunk forwards in flight)": flights * (chunk_act - on_host),
         }
         if r == 0:
             items["activations: token ids"] = min(layout.pp, layout.num_microbatches) * mem.embedding_bytes(act)
@@ -311,7 +332,7 @@ def _roles(
             items["activations: recompute working set"] = max(0, full_layer - kept_layer)
         items["activations: backward working set (one layer)"] = full_layer
         if r == layout.pp - 1:
-            out = mem.output_items(m, act, k, local_loss)
+            out = mem.output_items(m, act, k, local_loss, te_loss)
             items["activations: final norm, output input, fp32 logits"] = sum(out.values())
             items["activations: logits transient"] = mem.logits_transient(m, act)
         activations = sum(v for key, v in items.items() if key.startswith("activations"))

@@ -44,14 +44,14 @@ class GpuConstants:
 # reach of HBM), nvlink 0.75 (NCCL bus bandwidth of ring collectives on NVSwitch), dispatch_sms 20 (DeepEP's
 # default), expert_latency 8 us, gemm_latency 4 us, link_latency 15 us, host_layer 0.6 ms, host_step 40 ms.
 FITTED = GpuConstants(
-    gemm_bf16=0.7531,
-    gemm_fp8=0.5887,
-    attention=0.4006,
+    gemm_bf16=0.744,
+    gemm_fp8=0.57,
+    attention=0.4373,
     memory=0.80,
     nvlink=0.75,
     network=1.0,
     alltoall=1.0,
-    overlap=0.7996,
+    overlap=0.7987,
     dispatch_sms=20,
     grouped_half=0.5,
     expert_latency=8e-6,
@@ -59,8 +59,8 @@ FITTED = GpuConstants(
     link_latency=15e-6,
     host_layer=0.6e-3,
     host_moe=0.0,
-    moe_sync=0.672e-3,
-    host_microbatch=0.0,
+    moe_sync=0.698e-3,
+    host_microbatch=0.406e-3,
     host_step=40e-3,
 )
 

@@ -190,9 +190,14 @@ def embedding_bytes(shape: ActivationShape) -> int:
     return 8 * shape.seq * shape.micro_batch
 
 
-def output_items(model: ModelConfig, shape: ActivationShape, k: Kernels, local_loss: bool = False) -> dict:
+def output_items(
+    model: ModelConfig, shape: ActivationShape, k: Kernels, local_loss: bool = False, te_loss: bool = False
+) -> dict:
     """The last stage's final norm, output-layer input, fp32 softmax of the logits kept by the loss, labels.
-    `local_loss`: torch's cross-entropy (megagate.model.loss, TP = 1) instead of megatron's vocab-parallel one."""
+    `local_loss`: torch's cross-entropy (megagate.model.loss, TP = 1) instead of megatron's vocab-parallel one.
+    `te_loss`: Transformer Engine's fused cross-entropy (`perf.cross_entropy_fusion_impl: te`, NVIDIA's recipes),
+    which writes the gradient into the logits' own (activation-dtype) buffer in its forward and keeps no fp32 copy:
+    only the labels stay beside the logits (counted in `logits_transient`)."""
     s, b, t, a = shape.seq, shape.micro_batch, shape.tp, shape.act_bytes
     tok = s * b // (t if shape.sequence_parallel else 1)
     vocab = model.vocab_size // t
@@ -200,7 +205,7 @@ def output_items(model: ModelConfig, shape: ActivationShape, k: Kernels, local_l
     labels = 8 * s * b + 4 if local_loss else 9 * s * b
     return {
         "final norm + output-layer input": _norm(tok, model.hidden_size, a, k) + a * tok * model.hidden_size,
-        "logits fp32 (kept by the loss)": 4 * s * b * vocab + labels,
+        "logits fp32 (kept by the loss)": (0 if te_loss else 4 * s * b * vocab) + labels,
     }
 
 

@@ -27,6 +27,8 @@ from megagate.plan.work import Workload, stage_parameters
 from megagate.yamlfile import load_mapping
 
 DATA = Path(__file__).with_name("published_runs.yaml")
+# the second held-out table (gathered apart, nothing fitted on it; its models are DATA's)
+HELD_OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "held_out_runs.yaml"
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,31 @@ def _model(fields: dict[str, Any]) -> ModelConfig:
     return model_from_dict(fields, gate=gates.preset("baseline"))
 
 
+def model_fields(path: Path = DATA) -> dict[str, dict[str, Any]]:
+    """The `models:` entries of `path`, falling back on published_runs.yaml's (the held-out table has none of its
+    own)."""
+    data = load_mapping(path)
+    return {**(load_mapping(DATA)["models"] if path != DATA else {}), **(data.get("models") or {})}
+
+
 def load_runs(path: Path = DATA) -> list[Run]:
     """Every run of the data file, as workloads (a ConfigError names a run whose layout does not divide)."""
     data = load_mapping(path)
-    models = {name: _model(fields) for name, fields in data["models"].items()}
+    models = {name: _model(fields) for name, fields in model_fields(path).items()}
     return [_run(e, models) for e in data["runs"]]
+
+
+def load_held_out() -> list[Run]:
+    """The second held-out table (benchmarks/held_out_runs.yaml)."""
+    return load_runs(HELD_OUT)
+
+
+def recipe_defaults(e: dict[str, Any]) -> bool:
+    """Whether `e` ran under NVIDIA's performance recipes (Megatron Bridge's perf_recipes/_common.py
+    `_benchmark_common`, NeMo's scripts/performance/helpers.py): gradients reduced in bf16 (`grad_reduce_in_fp32 =
+    False`) and Transformer Engine's fused cross-entropy (`cross_entropy_fusion_impl = "te"`). The ModelZoo's and
+    Megatron-LM's runs keep megatron's defaults (fp32 gradients, the native loss)."""
+    return e["source"] == "bridge" or e["source"].startswith("nemo")
 
 
 def _run(e: dict[str, Any], models: dict[str, ModelConfig]) -> Run:
@@ -98,6 +120,7 @@ def _run(e: dict[str, Any], models: dict[str, ModelConfig]) -> Run:
     account = e.get("split") == "embedding+loss"
     layers = split_layers(model.num_layers, pp, vpp, account_for_embedding=account, account_for_loss=account)
     modules = tuple(e.get("recompute_modules") or ())
+    grad_fp32 = e.get("grad_reduce_in_fp32", not recipe_defaults(e)) or e["precision"] == "fp32"
     w = Workload(
         model=model,
         seq=e["seq"],
@@ -118,6 +141,7 @@ def _run(e: dict[str, Any], models: dict[str, ModelConfig]) -> Run:
         ep_overlap=bool(e.get("ep_overlap", False)),
         tp_overlap=bool(e.get("tp_overlap", False)),
         fsdp=bool(e.get("fsdp", False)),
+        grad_bytes=4 if grad_fp32 else 2,
         stage_layers=layers if account else None,
         gpus_per_node=e.get("gpus_per_node", 4 if e["gpu"] == "gb200" else 8),
     )
@@ -186,9 +210,9 @@ def memory_estimate(w: Workload, memory_bytes: float) -> float:
         dense, expert = stage_parameters(w, s)
         fp8_copies = 2 * (dense + expert) if w.precision == "fp8" else 0  # TE's cached fp8 weight + transpose
         if w.fsdp:
-            states = 18 * (dense + expert) / (w.dp * w.cp)
+            states = (14 + w.grad_bytes) * (dense + expert) / (w.dp * w.cp)
         else:
-            states = 6 * (dense + expert) + 12 * (dense / (w.dp * w.cp) + expert / w.expert_dp)
+            states = (2 + w.grad_bytes) * (dense + expert) + 12 * (dense / (w.dp * w.cp) + expert / w.expert_dp)
         flights = mem.in_flight(w.pp, s, w.vpp, w.microbatches, w.ep_overlap)
         acts = flights * max(chunks) * layer + layer
         if s == w.pp - 1:
@@ -298,7 +322,11 @@ def run_config(run: Run, fields: dict[str, Any]) -> dict[str, Any]:
         tp_comm_overlap=w.tp_overlap,
         overlap_moe_expert_parallel_comm=w.ep_overlap,
         use_megatron_fsdp=w.fsdp,
+        grad_reduce_in_fp32=w.grad_bytes == 4,
+        cpu_offloading_num_layers=e.get("cpu_offloading_num_layers", 0),
     )
+    if recipe_defaults(e):
+        perf["cross_entropy_fusion_impl"] = "te"
     if modules:
         perf["recompute_modules"] = modules
     train = dict(

@@ -171,8 +171,16 @@ def step_time(w: Workload, profile: DeviceProfile, ranks_per_node: int = 8) -> S
             fwd += edge_comm / 2
             bwd += edge_comm / 2
         if w.pp > 1:
-            terms["PP p2p"] = 2 * len(chunks) * p2p
-            fwd, bwd = fwd + len(chunks) * p2p, bwd + len(chunks) * p2p
+            if w.vpp and not host.serial:
+                # the interleaved schedule with overlap_p2p_comm (the trainer sets it with VPP on a GPU, as
+                # Megatron-LM does): a chunk's send and the next receive are posted asynchronously and waited for
+                # only before the chunk that needs them, so each transfer runs behind a chunk's compute
+                p2p_fwd = sum(topo.hidden(p2p, c * layer_fwd) for c in chunks)
+                p2p_bwd = sum(topo.hidden(p2p, c * layer_bwd) for c in chunks)
+            else:  # 1F1B's blocking send/receive pairs (and gloo's on a CPU): on the critical path
+                p2p_fwd = p2p_bwd = len(chunks) * p2p
+            terms["PP p2p"] = p2p_fwd + p2p_bwd
+            fwd, bwd = fwd + p2p_fwd, bwd + p2p_bwd
         # the schedule's work per model chunk and micro-batch (forward_step, the loss, the p2p hand-over): on a GPU
         # the next chunk waits for it (its input comes from another stage), so it is not hidden
         extra_host = host.per_microbatch * len(chunks)

@@ -50,6 +50,7 @@ class Workload:
     overlap_param_gather: bool = True
     bucket_size: int | None = None  # elements per DDP bucket (None: megatron's max(40M, 1M x DP))
     fsdp: bool = False  # parameters all-gathered per micro-batch (Megatron FSDP), gradients reduce-scattered
+    grad_bytes: int = 4  # DDP's gradient element: 4 with grad_reduce_in_fp32 (megatron's default), else 2
     routing_imbalance: float = 1.0  # tokens of the busiest expert rank / the mean (1: balanced routing)
     stage_layers: tuple[tuple[int, ...], ...] | None = None  # [PP][VPP chunk] layers; None: the even split
     gpus_per_node: int = 8

@@ -68,7 +68,7 @@ def ddp_config(setup: RunSetup) -> DistributedDataParallelConfig:
 
     cfg, perf = setup.cfg, setup.perf
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=cfg.perf.grad_reduce_in_fp32 or cfg.train.precision == "fp32",
         overlap_grad_reduce=perf.overlap_grad_reduce,
         overlap_param_gather=perf.overlap_param_gather,
         bucket_size=perf.bucket_size,

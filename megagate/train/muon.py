@@ -55,5 +55,6 @@ def muon_config_kwargs(t: Any) -> dict[str, Any]:
         muon_split_qkv=True,
         muon_tp_mode=t.muon_tp_mode,
         muon_num_ns_steps=t.muon_ns_steps,
+        muon_fp32_matmul_prec=t.muon_matmul_precision,
         muon_scalar_optimizer="adam",  # embeddings, norms, gate vectors: AdamW with train.adam_*
     )

@@ -43,6 +43,16 @@ def test_a_failing_subprocess_names_its_error(bench) -> None:
         bench.run_quietly([sys.executable, "-c", code], 1)
 
 
+def test_held_out_only_prints_the_second_table() -> None:
+    """`--held-out-only`: the held-out table's rows with their release, its median and worst, no CPU rounds."""
+    proc = subprocess.run([sys.executable, str(BENCH), "--held-out-only"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "benchmarks/held_out_runs.yaml" in proc.stdout and "published_runs.yaml" not in proc.stdout
+    assert "bridge-26.08-qwen3-30b-gb200-mxfp8" in proc.stdout and "26.08" in proc.stdout
+    assert "held-out: 22 runs, median |error|" in proc.stdout and "round 1" not in proc.stdout
+
+
 @pytest.mark.slow
 def test_one_round_end_to_end() -> None:
     """A calibration (small budget), one real `megagate train` and its plan: the row and the summary print."""

@@ -57,17 +57,28 @@ def test_held_out_error(runs) -> None:
     assert held["worst"] <= 0.35, {k: v for k, v in errs.items() if abs(v) > 0.35}
 
 
+# Configurations whose NVIDIA layout the planner puts more than 10 % behind its best, with why (docs/planning.md).
+LAYOUT_GAPS = {
+    # the recipes' bf16 gradients (perf.grad_reduce_in_fp32: false) brought TP2 PP8 VPP6 EP16 under 80 GB in the
+    # estimate: EP inside the node, the inter-node hop on PP (NVIDIA's own guideline); no EP16 run is published
+    "bridge-26.04.01-qwen3-235b-h100-fp8": 1.20,
+    # the best, TP1 PP1 EP64 inside the NVL72 domain, is what NVIDIA's later recipes of the model run; no BF16 figure
+    "modelzoo-qwen3-235b-gb200-bf16": 1.12,
+}
+
+
 @pytest.mark.slow
 def test_nvidia_layouts_against_the_planners_best(runs) -> None:
     """For each MoE configuration, the planner's step time of NVIDIA's layout over the fastest layout it finds for
-    the same model, GPUs, batch and precision (memory-checked): within 10 % for every configuration."""
+    the same model, GPUs, batch and precision (memory-checked): within 10 % for every configuration but the
+    listed ones (within their bound)."""
     ratios = {}
     for r in P.layout_check_runs(runs):
         _, best, fitting = P.best_layout(r)
         assert fitting > 10
         ratios[r.id] = P.predict(r).total / best
     assert len(ratios) >= 8
-    assert all(ratio <= 1.10 for ratio in ratios.values()), ratios
+    assert all(ratio <= LAYOUT_GAPS.get(rid, 1.10) for rid, ratio in ratios.items()), ratios
 
 
 def test_plan_config_reads_every_published_setting():

@@ -72,3 +72,35 @@ def test_recompute_modules_drop_what_they_recompute():
     assert mem.layer_items(model, shape, mem.GPU_TE, "selective") == mem.layer_items(
         model, shape, mem.GPU_TE, "selective", ("core_attn",)
     )  # megatron's default modules: as before
+
+
+def test_bf16_gradients_halve_the_gradient_buffer():
+    """NVIDIA's recipes reduce gradients in bf16 (`perf.grad_reduce_in_fp32: false`): the buffer is half."""
+    train = {"micro_batch_size": 1, "global_batch_size": 8}
+    fp32 = plan(_cfg(train=train), 8, "h100-sxm").roles[0].items
+    bf16 = plan(_cfg(train=train, perf={"grad_reduce_in_fp32": False}), 8, "h100-sxm").roles[0].items
+    assert bf16["gradient buffer (bf16)"] * 2 == fp32["gradient buffer (fp32)"]
+    assert bf16["weights (bf16)"] == fp32["weights (bf16)"]
+
+
+def test_layer_offloading_keeps_all_but_the_offloaded_layers_and_one_in_transit():
+    """`perf.cpu_offloading_num_layers: 5` of 8 layers (PP 1): the device keeps 3 layers' activations + the one
+    whose copy to the host is in flight; the rest of the plan is unchanged."""
+    train = {"micro_batch_size": 1, "global_batch_size": 8}
+    key = "activations: layers (x chunk forwards in flight)"
+    base = plan(_cfg(train=train), 8, "h100-sxm").roles[0].items
+    off = plan(_cfg(train=train, perf={"cpu_offloading_num_layers": 5}), 8, "h100-sxm").roles[0].items
+    per_layer = base[key] // 8
+    assert base[key] == 8 * per_layer and off[key] == 4 * per_layer
+    assert {k: v for k, v in off.items() if k not in (key, "workspace margin")} == {
+        k: v for k, v in base.items() if k not in (key, "workspace margin")
+    }
+
+
+def test_te_fused_loss_keeps_no_fp32_logits():
+    """TE's fused cross-entropy writes its gradient into the bf16 logits: no fp32 copy beside them."""
+    train = {"micro_batch_size": 2, "global_batch_size": 16, "seq_length": 1024}
+    key = "activations: final norm, output input, fp32 logits"
+    native = plan(_cfg(train=train), 8, "h100-sxm").roles[0].items
+    te = plan(_cfg(train=train, perf={"cross_entropy_fusion_impl": "te"}), 8, "h100-sxm").roles[0].items
+    assert native[key] - te[key] == 4 * 1024 * 2 * DENSE["vocab_size"]

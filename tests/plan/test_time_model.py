@@ -211,3 +211,20 @@ def test_in_step_scales_multiply_gemms_attention_and_the_rest() -> None:
     assert a > 0.05 * gemms and r > 0.1 * gemms  # each a real share of this step
     total = step_time(w, dataclasses.replace(full, **scaled)).total
     assert total == pytest.approx(1.6 * gemms + 1.3 * a + 2.5 * r, rel=1e-9)
+
+
+def test_interleaved_p2p_runs_behind_each_chunks_compute() -> None:
+    """PP 2: under 1F1B every activation send is on the critical path (2 per micro-batch and chunk); under the
+    interleaved schedule (the trainer's overlap_p2p_comm, a GPU's non-serial host) a send is exposed only by what the
+    overlap share of its chunk's forward (backward) cannot hide: here the chunks' compute hides all of it."""
+    gpu = dataclasses.replace(
+        only_gemms(1e9), kind="gpu", host=Host(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, serial=False),
+        intra=Link(1e-6, 1e12), inter=Link(1e-6, 1e12), overlap_efficiency=1.0,
+    )  # fmt: skip
+    base = Workload(MODEL, seq=128, micro_batch=2, global_batch=16, pp=2, precision="fp32", attention="sdpa")
+    blocking = step_time(base, gpu, ranks_per_node=2)
+    p2p = comm.pp_seconds(base, comm.Topology.of(gpu, 2))
+    assert blocking.stages[0].terms["PP p2p"] == pytest.approx(2 * p2p, rel=1e-9)
+    interleaved = step_time(dataclasses.replace(base, vpp=2), gpu, ranks_per_node=2)
+    assert "PP p2p" not in interleaved.terms  # hidden: 0 exposed seconds
+    assert interleaved.stages[0].terms["PP p2p"] == 0.0

@@ -17,6 +17,9 @@ from megagate.model.qkv_layout import qkv_layout
 
 emerging = pytest.importorskip("emerging_optimizers")
 LR = 0.02
+# fp32 products in Newton-Schulz: at megatron's default "medium" a CPU with avx512_bf16 / AMX runs bf16 kernels,
+# whose rounding (~1e-3 on the update) would hide a wrong split as well as a right one at these tolerances
+PRECISION = "highest"
 
 
 def _muon_step(variant: str, groups: int, tag: bool) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -34,7 +37,13 @@ def _muon_step(variant: str, groups: int, tag: bool) -> tuple[dict, torch.Tensor
         gpt.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False), gpt
     )
     config = OptimizerConfig(
-        optimizer="muon", lr=LR, weight_decay=0.0, clip_grad=0.0, muon_split_qkv=True, muon_tp_mode="duplicated"
+        optimizer="muon",
+        lr=LR,
+        weight_decay=0.0,
+        clip_grad=0.0,
+        muon_split_qkv=True,
+        muon_tp_mode="duplicated",
+        muon_fp32_matmul_prec=PRECISION,
     )
     optimizer = get_megatron_optimizer(config, [ddp])
     if tag:
@@ -60,7 +69,7 @@ def _separate_muon(model, grad: torch.Tensor) -> torch.Tensor:
     for name in sorted({k[0] for k in keys}):
         rows = torch.tensor([i for i, k in enumerate(keys) if k[0] == name])
         matrix = grad[rows]
-        with fp32_matmul_precision("medium"):  # megatron's default muon_fp32_matmul_prec
+        with fp32_matmul_precision(PRECISION):
             orth = newton_schulz(matrix, steps=5, coefficient_type="quintic")
         update[rows] = -LR * orth * max(matrix.shape) ** 0.5  # megatron's default "spectral" scale
     return update
@@ -88,7 +97,12 @@ def test_megatrons_own_guess_splits_the_g1_rows_wrongly(megatron_world):
 @pytest.mark.distributed
 def test_muon_trains_at_tp2_as_at_tp1_and_resumes_bit_identically(tmp_path, session_demo_dir):
     demo_dir = session_demo_dir
-    muon = ["train.optimizer=muon", "train.use_distributed_optimizer=false", "train.lr=0.01"]
+    muon = [
+        "train.optimizer=muon",
+        "train.use_distributed_optimizer=false",
+        "train.lr=0.01",
+        f"train.muon_matmul_precision={PRECISION}",
+    ]
     T.run_train(tmp_path / "tp1", demo_dir, *muon)
     T.run_train(tmp_path / "tp2", demo_dir, *muon, "parallel.tensor_model_parallel_size=2", nproc=2)
     tp1, tp2 = T.losses(tmp_path / "tp1"), T.losses(tmp_path / "tp2")
@@ -119,6 +133,10 @@ def test_muon_trains_at_tp2_as_at_tp1_and_resumes_bit_identically(tmp_path, sess
         (
             ["train.optimizer=muon", "train.use_distributed_optimizer=false", "train.muon_tp_mode=shard"],
             "train.muon_tp_mode='shard' is not one of duplicated, blockwise, distributed",
+        ),
+        (
+            ["train.optimizer=muon", "train.use_distributed_optimizer=false", "train.muon_matmul_precision=tf32"],
+            "train.muon_matmul_precision='tf32' is not one of medium, high, highest",
         ),
         (
             ["train.optimizer=muon", "train.use_distributed_optimizer=false", "train.muon_momentum=1.0"],

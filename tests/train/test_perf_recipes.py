@@ -163,6 +163,24 @@ def test_recipe_knobs_reach_transformer_ddp_and_optimizer_configs():
     assert "flex dispatcher backend hybridep" in lines
 
 
+def test_layer_offloading_and_bf16_gradients_reach_megatron():
+    """The recipes' layer-wise activation offloading (TransformerConfig.cpu_offloading*) and bf16 gradient
+    reduction (DDP grad_reduce_in_fp32=False) as megatron builds them."""
+    cfg = make(
+        {**MOE, "num_layers": 4},
+        train={"precision": "bf16", "global_batch_size": 16, "fp8_param_gather": False},
+        perf={**NO_TE_KERNELS, "cpu_offloading_num_layers": 2, "grad_reduce_in_fp32": False},
+    )
+    setup = resolve(cfg, None, GPU_TE)
+    tc = setup.transformer_config()
+    assert tc.cpu_offloading and tc.cpu_offloading_num_layers == 2
+    assert tc.cpu_offloading_activations and not tc.cpu_offloading_weights
+    assert K.ddp_config(setup).grad_reduce_in_fp32 is False
+    assert "activation offloading of 2 layers" in "\n".join(setup.describe())
+    default = resolve(make({**MOE, "num_layers": 4}, perf=NO_TE_KERNELS), None, GPU_TE)
+    assert not default.transformer_config().cpu_offloading and K.ddp_config(default).grad_reduce_in_fp32
+
+
 def test_recipe_knobs_are_off_by_default_as_in_megatron():
     setup = resolve(_recipe_config(), None, GPU_TE)
     tc = setup.transformer_config()
@@ -218,6 +236,18 @@ BAD = [
     (["perf.offload_modules=[router]"], "perf.offload_modules[]"),
     (["perf.optimizer_cpu_offload=true"], "needs perf.use_precision_aware_optimizer=true"),
     (["perf.moe_flex_dispatcher_backend=nccl"], "perf.moe_flex_dispatcher_backend"),
+    (
+        ["perf.cpu_offloading_num_layers=9"],
+        "perf.cpu_offloading_num_layers=9 must be an integer in [0, model.num_layers",
+    ),
+    (
+        ["parallel.pipeline_model_parallel_size=2", "perf.cpu_offloading_num_layers=1"],
+        "perf.cpu_offloading_num_layers=1 needs pipeline_model_parallel_size 1",
+    ),
+    (
+        ["model.recompute_granularity=selective", "perf.cpu_offloading_num_layers=1"],
+        "perf.cpu_offloading_num_layers=1 cannot run with model.recompute_granularity",
+    ),
 ]
 
 
