@@ -74,7 +74,10 @@ class Trainer:
         self.stop_final = False  # the stop decided the run (an early stop): it is over, not paused
         self.error: BaseException | None = None
         self.summary: dict[str, Any] = {"steps": 0, "final_loss": None, "final_valid_loss": None, "stopped": None}
-        self.first_loss: float | None = None  # this launch's first step (read at the end)
+        self.first_loss: float | None = None  # the run's first step (read at the end)
+        # the first loss of the run, from the checkpoint a launch resumed: a resumed launch's own first step is
+        # late in the run, and judging divergence by it calls a run that ends just above it diverged
+        self._run_first_loss: float | None = None
         self.side_time = 0.0  # seconds spent in evaluations and checkpoint saves (not in training steps)
         self.reads = HostReads()  # every device value the trainer reads goes through it (counted)
         self.step_log = StepLog(self.reads)  # the trained steps' loss and grad norm, on the device until read
@@ -169,8 +172,13 @@ class Trainer:
         last = self.step_log.last()
         if last is not None:
             self.summary["final_loss"] = last[1].loss
-        if self.step_log.first is not None:
-            self.first_loss = self.step_log.first[1].loss
+        self.first_loss = self._first_loss_of_run()
+
+    def _first_loss_of_run(self) -> float | None:
+        """The loss of the run's first step: carried by the checkpoint a launch resumed, else this launch's."""
+        if self._run_first_loss is not None:
+            return self._run_first_loss
+        return None if self.step_log.first is None else self.step_log.first[1].loss
 
     def _mark_phases(self) -> None:
         """Phase markers for the watchdog and the straggler report (megagate.health.progress): megatron's gradient
@@ -251,6 +259,7 @@ class Trainer:
         data = self.components.data
         meta = {
             "consumed_samples": self.consumed_samples,
+            "first_loss": _float_or_none(self._first_loss_of_run()),
             "scheduler": self.scheduler.state_dict(),
             "layout": parts.layout_key(self.cfg, self.layout),
             "optimizer_format": self.cfg.checkpoint.optimizer_format,
@@ -308,6 +317,7 @@ class Trainer:
             )
         if resumed is not None:
             path, meta, same_layout = resumed.path, resumed.meta, resumed.same_layout
+            self._run_first_loss = meta.get("first_loss")  # None from checkpoints written before it was kept
             saved_layout = meta.get("layout")
             log(
                 f"resumed from {path} at step {self.step} ({self.consumed_samples} samples)"
@@ -370,6 +380,10 @@ class Trainer:
             forward_only=forward_only,
             pg_collection=self._groups,
         )
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _loss_func(loss_mask: torch.Tensor, z_loss: ZLoss | None, output: torch.Tensor) -> tuple[torch.Tensor, dict]:

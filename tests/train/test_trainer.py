@@ -58,10 +58,17 @@ def test_same_seed_same_trajectory(reference, tmp_path, demo_dir):
 
 
 def test_stop_and_resume_is_bitwise_identical(reference, tmp_path, demo_dir):
-    first = T.run_train(tmp_path, demo_dir, "train.exit_after_steps=5", fresh=True)  # a new interpreter's start-up
-    assert "stopped at step 5" in first.stdout
+    """Stopped at step 9 and resumed: the losses and weights of the uninterrupted run, and its summary: divergence
+    is judged against the run's first loss (carried by the checkpoint), not the resumed launch's first (step 10's,
+    which the final loss of step 12 exceeds in this run)."""
+    first = T.run_train(tmp_path, demo_dir, "train.exit_after_steps=9", fresh=True)  # a new interpreter's start-up
+    assert "stopped at step 9" in first.stdout
     second = T.run_train(tmp_path, demo_dir)
-    assert "resumed from" in second.stdout and "at step 5" in second.stdout
+    assert "resumed from" in second.stdout and "at step 9" in second.stdout
+    ref_losses = T.losses(reference)
+    assert ref_losses[12] > ref_losses[10]  # what would make the resumed launch look diverged by its own start
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["diverged"] is False and summary == json.loads((reference / "summary.json").read_text())
     # a quiet console: a fresh CPU run (a new interpreter: megatron's import-time notices too) and a resume (forked:
     # the notices of loading a checkpoint) print only megagate's lines (megagate.console filters the known
     # third-party notices; test_finished_run_rerun_changes_nothing shows them with MEGAGATE_VERBOSE=1)
