@@ -45,8 +45,8 @@ def test_a_failing_subprocess_names_its_error(bench) -> None:
 
 def test_held_out_only_prints_the_second_table() -> None:
     """`--held-out-only`: the held-out table's rows with their release, its median and worst, no CPU rounds."""
-    proc = subprocess.run([sys.executable, str(BENCH), "--held-out-only"], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    cmd = [sys.executable, str(BENCH), "--held-out-only"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "benchmarks/held_out_runs.yaml" in proc.stdout and "published_runs.yaml" not in proc.stdout
     assert "bridge-26.08-qwen3-30b-gb200-mxfp8" in proc.stdout and "26.08" in proc.stdout
