@@ -192,19 +192,7 @@ def build_gpt_model(
             )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     hybrid.check_gdn_parallel(model, tp, parallel_state.get_context_parallel_world_size())
-    common: dict[str, Any] = dict(
-        config=config,
-        vocab_size=model.vocab_size,
-        max_sequence_length=model.max_sequence_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=model.tie_embeddings,
-        position_embedding_type=model.position_embedding,
-        rotary_base=model.rotary_base,
-        rotary_percent=model.rotary_percent,
-        seq_len_interpolation_factor=model.rotary_interpolation_factor,
-        vp_stage=vp_stage,
-    )
+    common = model_kwargs(model, config, pre_process, post_process, vp_stage)
     if gpt_model_reason(config) is None:
         from megagate.model.hybrid_stack import GatedHybridModel
         from megagate.model.spec import gated_hybrid_stack_spec
@@ -223,6 +211,25 @@ def build_gpt_model(
 
         use_local_cross_entropy(lm)  # TP = 1: torch's cross-entropy instead of three one-rank all-reduces
     return lm
+
+
+def model_kwargs(
+    model: ModelConfig, config: TransformerConfig, pre_process: bool, post_process: bool, vp_stage: int | None
+) -> dict[str, Any]:
+    """The constructor arguments HybridModel and GPTModel share (embedding, output layer, rotary, stage)."""
+    return dict(
+        config=config,
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=model.tie_embeddings,
+        position_embedding_type=model.position_embedding,
+        rotary_base=model.rotary_base,
+        rotary_percent=model.rotary_percent,
+        seq_len_interpolation_factor=model.rotary_interpolation_factor,
+        vp_stage=vp_stage,
+    )
 
 
 def _build_gpt_model(

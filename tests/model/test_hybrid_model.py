@@ -15,7 +15,7 @@ import torch
 
 from megagate.model import gate as gates
 from megagate.model import init
-from megagate.model.build import _build_gpt_model, build_gpt_model, gpt_model_reason, transformer_config
+from megagate.model.build import _build_gpt_model, build_gpt_model, gpt_model_reason, model_kwargs, transformer_config
 from megagate.model.loss import use_local_cross_entropy
 from megagate.model.presets import model_preset
 from megagate.model.rotary import fit_rotary
@@ -25,19 +25,7 @@ PRESETS = ["tiny", "tiny-moe", "tiny-hybrid"]
 
 def _gpt(mc, cfg) -> torch.nn.Module:
     """The model as main built it before the move: GPTModel with the gated decoder block spec."""
-    common = dict(
-        config=cfg,
-        vocab_size=mc.vocab_size,
-        max_sequence_length=mc.max_sequence_length,
-        pre_process=True,
-        post_process=True,
-        share_embeddings_and_output_weights=mc.tie_embeddings,
-        position_embedding_type=mc.position_embedding,
-        rotary_base=mc.rotary_base,
-        rotary_percent=mc.rotary_percent,
-        seq_len_interpolation_factor=mc.rotary_interpolation_factor,
-        vp_stage=None,
-    )
+    common = model_kwargs(mc, cfg, True, True, None)
     gpt = _build_gpt_model(mc, cfg, "local", None, "auto", 1, common)
     fit_rotary(gpt, mc, cfg)
     use_local_cross_entropy(gpt)
